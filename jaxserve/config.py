@@ -1,0 +1,91 @@
+"""Frozen engine configuration, built once by EngineArgs.create_engine_config().
+
+Field names follow vLLM's so that a vLLM user reading a log or a config file finds the
+same words. Nothing mutates a config after it is built; every component reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # the path that was loaded (HF directory or .gguf file)
+    tokenizer: str  # directory or .gguf file the tokenizer comes from
+    load_format: str  # resolved: "safetensors", "gguf" or "dummy"
+    dtype: str  # resolved jnp dtype name: "float32", "bfloat16" or "float16"
+    max_model_len: int
+    seed: int
+    hf_config: MappingProxyType  # the model's config.json (or its GGUF equivalent), read-only
+    served_model_name: tuple[str, ...] = ()
+    tokenizer_revision: str | None = None
+    revision: str | None = None
+    trust_remote_code: bool = False
+    generation_config: str = "auto"
+    override_generation_config: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    max_logprobs: int = 20
+    skip_tokenizer_init: bool = False
+    use_tqdm_on_load: bool = True
+
+    @property
+    def architecture(self) -> str:
+        archs = self.hf_config.get("architectures") or ["LlamaForCausalLM"]
+        return archs[0]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.hf_config.get(key, default)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "builtin"
+    swap_space: float = 4.0
+    kv_cache_dtype: str = "auto"
+    # Host memory the KV pool may take when the platform is the CPU (there is no device
+    # memory to measure there).
+    cpu_kv_cache_gb: float = 4.0
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # "fcfs" or "priority"
+    preemption_mode: str = "recompute"
+    long_prefill_token_threshold: int = 0
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    enforce_eager: bool = False
+    max_seq_len_to_capture: int = 8192
+    # Explicit bucket lists (None: derived from the scheduler limits in runner/bucketing.py).
+    token_buckets: tuple[int, ...] | None = None
+    seq_buckets: tuple[int, ...] | None = None
+    # JAX persistent compilation cache; "" disables it.
+    cache_dir: str = ""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    compilation_config: CompilationConfig

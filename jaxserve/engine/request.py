@@ -1,0 +1,92 @@
+"""A request as the host side of the engine sees it.
+
+Created by LLMEngine.add_request, mutated only by the Scheduler (queues, computed tokens,
+output tokens, status) and read by everyone else. Never imported by the runner.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """vLLM's finish_reason string, or None while the request is alive."""
+        return self.value if self.finished else None
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        seed: int,
+        eos_token_id: int | None = None,
+        prompt: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        max_tokens: int,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("The prompt must contain at least one token.")
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.seed = seed  # effective sampling seed: the request's own, or one the engine drew
+        self.eos_token_id = eos_token_id
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.max_tokens = max_tokens  # resolved: the request's max_tokens capped by model length
+        self.output_token_ids: list[int] = []
+        self.cumulative_logprob = 0.0
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache on first schedule
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, {self.status.name})"
+        )

@@ -1,0 +1,129 @@
+"""Per-request sampling settings, with vLLM's field names and defaults.
+
+A SamplingParams travels with its Request from the API surface to the scheduler; the
+runner only ever sees the per-row numbers it needs (temperature, top_k, ...), packed
+into arrays so that any mix of settings in one batch runs the same compiled step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+# Below this temperature a request is treated as greedy, as vLLM does.
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Filled in by the engine from the tokenizer / generation config; not user-facing.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+        if self.temperature < _GREEDY_EPS:
+            # Greedy: the other knobs no longer matter; normalise them so rows compare equal.
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name} {why}, got {getattr(self, name)!r}.")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+            raise bad("best_of", f"must be an integer >= n ({self.n})")
+        if self.temperature < 0.0:
+            raise bad("temperature", "must be non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "must be 0 or -1 (disable), or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be a non-negative integer")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", "must be positive")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer")
+        if any(not s for s in self.stop):
+            raise bad("stop", "must not contain empty strings")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < -1):
+                raise bad(name, "must be a non-negative integer (or -1 for all)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def clone(self, **changes) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+
+# Fields whose effect is not applied by the engine yet; a request that sets one is refused
+# rather than silently served without it.
+_NOT_YET = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "logprobs": None,
+    "prompt_logprobs": None,
+}
+
+
+def check_supported(params: SamplingParams) -> None:
+    """Raise ValueError naming the first field set to a value the engine cannot honour."""
+    for name, default in _NOT_YET.items():
+        value = getattr(params, name)
+        if value != default and not (default is None and value in ({}, [])):
+            raise ValueError(f"SamplingParams.{name}={value!r} is not supported by jaxserve yet.")
+    if params.best_of is not None and params.best_of != params.n:
+        raise ValueError("SamplingParams.best_of different from n is not supported by jaxserve yet.")

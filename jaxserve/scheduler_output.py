@@ -1,0 +1,58 @@
+"""The contract between the host side (engine/) and the device side (runner/).
+
+The Scheduler builds one SchedulerOutput per step: which sequences run, which of their
+tokens are fed, where their KV pages are, and how each row that reaches the end of its
+known tokens is sampled. The runner answers with a ModelRunnerOutput. Both are plain,
+frozen data: neither side holds a reference into the other's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the in-jit sampler needs for one sampled row."""
+
+    temperature: float  # 0.0 means greedy
+    top_k: int  # 0 means off
+    top_p: float
+    min_p: float
+    seed: int  # the request's effective seed
+    step: int  # index of the token being sampled (output tokens so far); folded into the key
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    request_id: str
+    token_ids: tuple[int, ...]  # [num_new] tokens fed this step, starting at position start_pos
+    start_pos: int  # tokens of this sequence already in the KV cache
+    block_ids: tuple[int, ...]  # the sequence's page table, covering start_pos + num_new tokens
+    sampling: SamplingRow | None  # None while a prefill chunk has not reached the prompt's end
+
+    @property
+    def num_new(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    seqs: tuple[ScheduledSeq, ...]  # rows with new tokens, in the order the runner lays them out
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    req_ids: tuple[str, ...]  # requests that sampled a token this step, in SchedulerOutput order
+    sampled_token_ids: np.ndarray  # [num_sampled] int32
+    logprobs: np.ndarray  # [num_sampled] float32, log-probability of each sampled token
