@@ -78,8 +78,8 @@ class CompilationConfig:
     # Explicit bucket lists (None: derived from the scheduler limits in runner/bucketing.py).
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
-    # JAX persistent compilation cache; "" disables it.
-    cache_dir: str = ""
+    # JAX persistent compilation cache: None = the default dir under ~/.cache, "" = off.
+    cache_dir: str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,223 @@
+"""LLMEngine: the synchronous heart of jaxserve. One step() is the whole request path:
+
+    schedule -> runner.execute -> scheduler.update -> detokenize (stop strings) -> outputs
+
+The engine owns the tokenizer and the per-request detokenizers; the scheduler owns the
+requests; the runner owns everything on the device. A request with n > 1 runs as n child
+sequences that share the prompt (and, through the prefix cache, its pages).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxserve.args import EngineArgs
+from jaxserve.config import EngineConfig
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.sampling_params import SamplingParams, check_supported
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | Sequence[int] | Mapping
+
+
+@dataclass
+class _Parent:
+    """A user request: the prompt and its n child sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.is_finished for c in self.children)
+
+
+def load_tokenizer(config: EngineConfig):
+    if config.model_config.skip_tokenizer_init:
+        return None
+    from jaxserve.loader.tokenizer import get_tokenizer
+
+    mc = config.model_config
+    return get_tokenizer(mc.tokenizer, revision=mc.tokenizer_revision, trust_remote_code=mc.trust_remote_code)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer=None):
+        self.config = config
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
+        self.runner = ModelRunner(config)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.runner.num_blocks)
+        self._parents: dict[str, _Parent] = {}
+        self._child_to_parent: dict[str, str] = {}
+        self._seed_rng = np.random.default_rng(config.model_config.seed)
+        self._counter = itertools.count()
+        self.eos_token_id, self.extra_eos_ids = self._eos_ids()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
+
+    def _eos_ids(self) -> tuple[int | None, set[int]]:
+        eos = self.config.model_config.get("eos_token_id")
+        ids = list(eos) if isinstance(eos, list) else ([] if eos is None else [eos])
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        primary = tok_eos if tok_eos is not None else (ids[0] if ids else None)
+        return primary, {i for i in ids if i != primary}
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("Text prompts need a tokenizer (skip_tokenizer_init is set).")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, [int(t) for t in prompt]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
+        if request_id in self._parents:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        check_supported(params)
+        if priority != 0 and self.config.scheduler_config.policy != "priority":
+            raise ValueError("priority is only honoured with scheduling_policy='priority'.")
+        text, token_ids = self.tokenize_prompt(prompt)
+        max_len = self.config.model_config.max_model_len
+        vocab = self.config.model_config.get("vocab_size")
+        if not token_ids:
+            raise ValueError("The prompt is empty.")
+        if vocab is not None and any(t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"Prompt token ids must be in [0, {vocab}).")
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"The prompt has {len(token_ids)} tokens; max_model_len is {max_len}, which leaves no room "
+                "to generate."
+            )
+        room = max_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        children = []
+        for i in range(params.n):
+            child_params = params.clone(n=1, best_of=None)
+            if params.seed is not None:
+                child_params.seed = params.seed + i
+            child_params.stop_token_ids = sorted(set(child_params.stop_token_ids) | self.extra_eos_ids)
+            seed = child_params.seed if child_params.seed is not None else int(self._seed_rng.integers(2**31))
+            children.append(
+                Request(
+                    request_id if params.n == 1 else f"{i}_{request_id}",
+                    token_ids,
+                    child_params,
+                    seed=seed,
+                    eos_token_id=self.eos_token_id,
+                    prompt=text,
+                    priority=priority,
+                    arrival_time=arrival_time,
+                    max_tokens=max_tokens,
+                )
+            )
+        parent = _Parent(request_id, text, token_ids, children)
+        for child in children:
+            self.scheduler.add_request(child)
+            self._child_to_parent[child.request_id] = request_id
+            det = None
+            if self.tokenizer is not None and child.sampling_params.detokenize:
+                det = IncrementalDetokenizer(self.tokenizer, child)
+            parent.detokenizers.append(det)
+        self._parents[request_id] = parent
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            child_ids = [c.request_id for c in parent.children]
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            for cid in child_ids:
+                self._child_to_parent.pop(cid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def new_request_id(self) -> str:
+        return str(next(self._counter))
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns a RequestOutput for every request that changed."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        runner_out = self.runner.execute(sched)
+        updated = self.scheduler.update(sched, runner_out)
+        changed: dict[str, _Parent] = {}
+        for req in updated:
+            parent = self._parents.get(self._child_to_parent.get(req.request_id, ""))
+            if parent is None:
+                continue
+            det = parent.detokenizers[parent.children.index(req)]
+            if det is not None:
+                stopped = req.status == RequestStatus.FINISHED_STOPPED
+                stop = det.update(req.output_token_ids[-1:], stop_terminated=stopped)
+                if stop is not None and not req.is_finished:
+                    self.scheduler.finish_requests(
+                        req.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop
+                    )
+            changed[parent.request_id] = parent
+        outputs = [self._make_output(p) for p in changed.values()]
+        for out in outputs:
+            if out.finished:
+                parent = self._parents.pop(out.request_id)
+                for c in parent.children:
+                    self._child_to_parent.pop(c.request_id, None)
+        return outputs
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        completions = []
+        for i, (child, det) in enumerate(zip(parent.children, parent.detokenizers)):
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=det.output_text if det is not None else "",
+                    token_ids=list(child.output_token_ids),
+                    cumulative_logprob=child.cumulative_logprob,
+                    finish_reason=child.status.finish_reason,
+                    stop_reason=child.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=parent.finished,
+            num_cached_tokens=parent.children[0].num_cached_tokens,
+        )

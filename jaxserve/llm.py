@@ -1,0 +1,108 @@
+"""The offline API, as in vLLM: `LLM(model=...).generate(prompts, sampling_params)` and
+`LLM.chat(messages)`. It drives an LLMEngine to completion and returns outputs in input order."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from jaxserve.args import EngineArgs
+from jaxserve.engine.llm_engine import LLMEngine, PromptType
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        known = EngineArgs.field_names()
+        extra = {k: v for k, v in kwargs.items() if k not in known}
+        args = EngineArgs(model=model, **{k: v for k, v in kwargs.items() if k in known}, extra=extra)
+        self.llm_engine = LLMEngine.from_engine_args(args)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return SamplingParams()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, Mapping)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"Got {len(sampling_params)} sampling_params for {len(prompts)} prompts; pass one or one each."
+            )
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"Got {len(priority)} priorities for {len(prompts)} prompts.")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+                rid = engine.new_request_id()
+                engine.add_request(rid, prompt, params, priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat() needs a tokenizer (skip_tokenizer_init is set).")
+        prompts = []
+        for conversation in conversations:
+            ids = tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                tokenize=True,
+                **(chat_template_kwargs or {}),
+            )
+            if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

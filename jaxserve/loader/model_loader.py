@@ -1,0 +1,93 @@
+"""Builds a model's parameters from a checkpoint, straight into their shardings.
+
+Reads HF-named tensors (from safetensors or GGUF, both already in Hugging Face's layout),
+maps each onto the model's own parameter tree through the model's weight map, and places
+every parameter with the sharding its logical axes ask for. `dummy` makes random weights
+of the real shapes for benchmarking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.registry import resolve_architecture
+from jaxserve.sharding import named_sharding, state_shardings
+
+
+def build_model_args(model_config: ModelConfig):
+    _, entry = resolve_architecture(model_config.hf_config)
+    return entry, entry.make_args(model_config.hf_config, model_config.max_model_len)
+
+
+def _checkpoint_tensors(model_config: ModelConfig) -> Iterable[tuple[str, np.ndarray]]:
+    use_tqdm = model_config.use_tqdm_on_load
+    if model_config.load_format == "gguf":
+        from jaxserve.loader.gguf import iter_gguf_tensors
+
+        return iter_gguf_tensors(model_config.model, use_tqdm=use_tqdm)
+    from jaxserve.loader.safetensors import iter_safetensors
+
+    return iter_safetensors(model_config.model, use_tqdm=use_tqdm)
+
+
+def load_model(model_config: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State]:
+    """Returns the model split once into (graphdef, sharded state)."""
+    entry, args = build_model_args(model_config)
+    dtype = jnp.dtype(model_config.dtype)
+    seed = model_config.seed
+
+    def create():
+        return entry.model_cls(args, dtype=dtype, rngs=nnx.Rngs(seed))
+
+    if model_config.load_format == "dummy":
+        graphdef, state = nnx.split(nnx.eval_shape(create))
+        shardings = state_shardings(state, mesh)
+        init = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)
+        return graphdef, init()
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(create))
+    flat = dict(nnx.to_flat_state(abstract))
+    buffers: dict[str, np.ndarray] = {}
+    filled: dict[str, set] = {}
+    weight_map = entry.model_cls.hf_weight_map(args)
+    for name, tensor in _checkpoint_tensors(model_config):
+        if name not in weight_map:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and args.tie_word_embeddings):
+                continue
+            raise ValueError(f"Checkpoint {model_config.model} has an unexpected tensor {name!r}.")
+        path, layer, transpose = weight_map[name]
+        key = tuple(path.split("."))
+        target = flat[key].value
+        tensor = tensor.T if transpose else tensor
+        want = target.shape[1:] if layer is not None else target.shape
+        if tuple(tensor.shape) != tuple(want):
+            raise ValueError(
+                f"Checkpoint {model_config.model}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(want)}."
+            )
+        if layer is None:
+            buffers[path] = np.asarray(tensor)
+        else:
+            buf = buffers.get(path)
+            if buf is None:
+                buf = buffers[path] = np.empty(target.shape, dtype=tensor.dtype)
+            buf[layer] = tensor
+            filled.setdefault(path, set()).add(layer)
+        filled.setdefault(name, set())
+    missing = sorted(n for n in weight_map if n not in filled)
+    if missing:
+        raise ValueError(
+            f"Checkpoint {model_config.model} lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}."
+        )
+    for key, var in flat.items():
+        path = ".".join(map(str, key))
+        sharding = named_sharding(mesh, var.get_metadata()["logical_axes"])
+        var.value = jax.device_put(buffers[path].astype(dtype), sharding)
+    return graphdef, nnx.from_flat_state(flat)

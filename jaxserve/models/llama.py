@@ -1,0 +1,188 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral without sliding window) as a Flax NNX module.
+
+The decoder layers are stored stacked ([num_layers, ...] per weight) and run with one
+lax.scan, so compile time does not grow with depth. The KV pool of all layers is one
+array carried through the scan and updated in place. Logits are computed only for the
+rows the sampler needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.layers.attention import AttentionMetadata, paged_attention
+from jaxserve.layers.norm import rms_norm
+from jaxserve.layers.rotary import apply_rope, rope_inv_freq
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    inv_freq: tuple[float, ...]
+
+    @classmethod
+    def from_hf(cls, hf: Mapping, max_model_len: int) -> LlamaArgs:
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported for Llama-family models (only 'silu').")
+        window = hf.get("sliding_window")
+        if window is not None and max_model_len > window:
+            raise ValueError(
+                f"This model uses sliding-window attention (window {window}) and jaxserve does not "
+                f"apply it yet; serve it with --max-model-len <= {window}."
+            )
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            inv_freq=tuple(rope_inv_freq(hf, head_dim, max_model_len).tolist()),
+        )
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype, init: str = "normal"):
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=axes)
+
+
+class LlamaLayers(nnx.Module):
+    """All decoder layers, each weight stacked over a leading `layers` axis."""
+
+    def __init__(self, a: LlamaArgs, dtype, rngs: nnx.Rngs):
+        n, e, m = a.num_layers, a.hidden_size, a.intermediate_size
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        self.input_norm = _param(rngs, (n, e), ("layers", "norm"), dtype, "ones")
+        self.q_proj = _param(rngs, (n, e, q), ("layers", "embed", "q_heads"), dtype)
+        self.k_proj = _param(rngs, (n, e, kv), ("layers", "embed", "kv_heads"), dtype)
+        self.v_proj = _param(rngs, (n, e, kv), ("layers", "embed", "kv_heads"), dtype)
+        self.o_proj = _param(rngs, (n, q, e), ("layers", "q_heads", "embed"), dtype)
+        self.post_norm = _param(rngs, (n, e), ("layers", "norm"), dtype, "ones")
+        self.gate_proj = _param(rngs, (n, e, m), ("layers", "embed", "mlp"), dtype)
+        self.up_proj = _param(rngs, (n, e, m), ("layers", "embed", "mlp"), dtype)
+        self.down_proj = _param(rngs, (n, m, e), ("layers", "mlp", "embed"), dtype)
+        if a.attention_bias:
+            self.q_bias = _param(rngs, (n, q), ("layers", "q_heads"), dtype, "zeros")
+            self.k_bias = _param(rngs, (n, kv), ("layers", "kv_heads"), dtype, "zeros")
+            self.v_bias = _param(rngs, (n, kv), ("layers", "kv_heads"), dtype, "zeros")
+            self.o_bias = _param(rngs, (n, e), ("layers", "embed"), dtype, "zeros")
+        if a.mlp_bias:
+            self.gate_bias = _param(rngs, (n, m), ("layers", "mlp"), dtype, "zeros")
+            self.up_bias = _param(rngs, (n, m), ("layers", "mlp"), dtype, "zeros")
+            self.down_bias = _param(rngs, (n, e), ("layers", "embed"), dtype, "zeros")
+
+    def stacked(self) -> dict[str, jax.Array]:
+        return {name: var.value for name, var in vars(self).items() if isinstance(var, nnx.Param)}
+
+
+def _linear(x: jax.Array, w: Mapping[str, jax.Array], name: str) -> jax.Array:
+    y = x @ w[f"{name}_proj"]
+    bias = w.get(f"{name}_bias")
+    return y if bias is None else y + bias
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, args: LlamaArgs, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.args = args
+        a = args
+        self.embed_tokens = _param(rngs, (a.vocab_size, a.hidden_size), ("vocab", "embed"), dtype)
+        self.layers = LlamaLayers(a, dtype, rngs)
+        self.norm = _param(rngs, (a.hidden_size,), ("norm",), dtype, "ones")
+        if not a.tie_word_embeddings:
+            self.lm_head = _param(rngs, (a.hidden_size, a.vocab_size), ("embed", "vocab"), dtype)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,  # [num_tokens] int32
+        positions: jax.Array,  # [num_tokens] int32
+        kv_pool: jax.Array,  # [num_layers * pages_per_layer, page_size, 2 * num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        logits_indices: jax.Array,  # [num_logits] int32, rows of the batch to compute logits for
+    ) -> tuple[jax.Array, jax.Array]:  # ([num_logits, vocab] float32, kv_pool)
+        a = self.args
+        num_tokens = input_ids.shape[0]
+        pages_per_layer = kv_pool.shape[0] // a.num_layers
+        inv_freq = jnp.asarray(np.asarray(a.inv_freq, np.float32))
+        sm_scale = a.head_dim**-0.5
+        x = self.embed_tokens.value[input_ids]  # [num_tokens, hidden]
+
+        def layer(carry, xs):
+            x, kv_pool = carry
+            w, index = xs
+            h = rms_norm(x, w["input_norm"], a.rms_norm_eps)
+            q = _linear(h, w, "q").reshape(num_tokens, a.num_heads, a.head_dim)
+            k = _linear(h, w, "k").reshape(num_tokens, a.num_kv_heads, a.head_dim)
+            v = _linear(h, w, "v").reshape(num_tokens, a.num_kv_heads, a.head_dim)
+            q = apply_rope(q, positions, inv_freq)
+            k = apply_rope(k, positions, inv_freq)
+            attn, kv_pool = paged_attention(
+                q, k, v, kv_pool, index, pages_per_layer, meta, sm_scale=sm_scale
+            )
+            x = x + _linear(attn.reshape(num_tokens, -1), w, "o")
+            h = rms_norm(x, w["post_norm"], a.rms_norm_eps)
+            x = x + _linear(jax.nn.silu(_linear(h, w, "gate")) * _linear(h, w, "up"), w, "down")
+            return (x, kv_pool), None
+
+        xs = (self.layers.stacked(), jnp.arange(a.num_layers, dtype=jnp.int32))
+        (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), xs)
+        x = rms_norm(x[logits_indices], self.norm.value, a.rms_norm_eps)
+        head = self.embed_tokens.value.T if a.tie_word_embeddings else self.lm_head.value
+        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+        return logits, kv_pool
+
+    @staticmethod
+    def hf_weight_map(args: LlamaArgs) -> dict[str, tuple[str, int | None, bool]]:
+        """HF tensor name -> (our parameter path, layer index or None, transpose?)."""
+        table: dict[str, tuple[str, int | None, bool]] = {
+            "model.embed_tokens.weight": ("embed_tokens", None, False),
+            "model.norm.weight": ("norm", None, False),
+        }
+        if not args.tie_word_embeddings:
+            table["lm_head.weight"] = ("lm_head", None, True)
+        per_layer = {
+            "input_layernorm.weight": ("input_norm", False),
+            "post_attention_layernorm.weight": ("post_norm", False),
+            "mlp.gate_proj.weight": ("gate_proj", True),
+            "mlp.up_proj.weight": ("up_proj", True),
+            "mlp.down_proj.weight": ("down_proj", True),
+        }
+        for p in "qkvo":
+            per_layer[f"self_attn.{p}_proj.weight"] = (f"{p}_proj", True)
+            if args.attention_bias:
+                per_layer[f"self_attn.{p}_proj.bias"] = (f"{p}_bias", False)
+        if args.mlp_bias:
+            for p in ("gate", "up", "down"):
+                per_layer[f"mlp.{p}_proj.bias"] = (f"{p}_bias", False)
+        for i in range(args.num_layers):
+            for hf_name, (ours, transpose) in per_layer.items():
+                table[f"model.layers.{i}.{hf_name}"] = (f"layers.{ours}", i, transpose)
+        return table

@@ -1,0 +1,40 @@
+"""HF `architectures` name -> the model class that serves it and how its args are read.
+
+Adding a model family is adding an entry here; nothing else in the engine branches on
+the model's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from jaxserve.models.llama import LlamaArgs, LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    model_cls: type
+    make_args: Callable[[Mapping, int], Any]  # (hf_config, max_model_len) -> model args
+
+
+_REGISTRY: dict[str, ModelEntry] = {
+    "LlamaForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf),
+    "MistralForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def resolve_architecture(hf_config: Mapping) -> tuple[str, ModelEntry]:
+    archs = hf_config.get("architectures") or []
+    for arch in archs:
+        if arch in _REGISTRY:
+            return arch, _REGISTRY[arch]
+    raise ValueError(
+        f"Model architecture(s) {archs or '(none given)'} not supported by jaxserve; "
+        f"supported: {', '.join(supported_architectures())}."
+    )

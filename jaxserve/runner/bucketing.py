@@ -1,0 +1,53 @@
+"""The only place step shapes are chosen.
+
+A step is padded to a (num_tokens, num_seqs) bucket. Every bucket is compiled once at
+start-up, so a running server never compiles; fewer buckets mean a faster start, more
+buckets mean less padding. Both lists are powers of two capped by the scheduler limits,
+unless the compilation config names them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from jaxserve.config import CompilationConfig, SchedulerConfig
+
+MIN_TOKEN_BUCKET = 16
+MIN_SEQ_BUCKET = 8
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return out
+
+
+@dataclass(frozen=True)
+class Buckets:
+    tokens: tuple[int, ...]  # ascending
+    seqs: tuple[int, ...]  # ascending
+
+    @classmethod
+    def from_config(cls, sched: SchedulerConfig, comp: CompilationConfig) -> Buckets:
+        max_tokens, max_seqs = sched.max_num_batched_tokens, sched.max_num_seqs
+        tokens = comp.token_buckets or _powers_of_two(min(MIN_TOKEN_BUCKET, max_tokens), max_tokens)
+        seqs = comp.seq_buckets or _powers_of_two(min(MIN_SEQ_BUCKET, max_seqs), max_seqs)
+        tokens, seqs = sorted(set(tokens)), sorted(set(seqs))
+        if tokens[-1] < max_tokens or seqs[-1] < max_seqs:
+            raise ValueError(
+                f"compilation_config buckets must reach max_num_batched_tokens={max_tokens} and "
+                f"max_num_seqs={max_seqs}; got tokens {tokens}, seqs {seqs}."
+            )
+        return cls(tuple(tokens), tuple(seqs))
+
+    def pick(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        t = self.tokens[bisect.bisect_left(self.tokens, num_tokens)]
+        s = self.seqs[bisect.bisect_left(self.seqs, num_seqs)]
+        return t, min(s, t)
+
+    def all(self) -> list[tuple[int, int]]:
+        return sorted({(t, min(s, t)) for t in self.tokens for s in self.seqs})

@@ -1,0 +1,77 @@
+"""The paged KV pool: sized from the memory budget, allocated once, sharded by KV head.
+
+All layers share one array; layer l owns pages [l * pages_per_layer, (l + 1) *
+pages_per_layer). A "block" in the scheduler's sense is the same page index in every
+layer, so the scheduler counts `pages_per_layer` blocks. Page 0 of each layer is never
+handed out: padded page-table entries point at it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxserve.config import CacheConfig
+from jaxserve.sharding import named_sharding
+
+logger = logging.getLogger(__name__)
+
+KV_POOL_AXES = ("kv_pages", "kv_page_slots", "kv_combined_heads", "head_dim")
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: jnp.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block (one page in every layer) takes."""
+        per_page = self.page_size * 2 * self.num_kv_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
+        return per_page * self.num_layers
+
+
+def num_blocks_for(
+    spec: KVCacheSpec, cache: CacheConfig, weight_bytes: int, max_useful_blocks: int
+) -> int:
+    """How many blocks fit: exactly --num-gpu-blocks-override when given; else the share
+    of device memory --gpu-memory-utilization allows after weights (on CPU, a fixed host
+    budget), capped at what max_num_seqs sequences of max_model_len could ever use."""
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        budget = stats["bytes_limit"] * cache.gpu_memory_utilization - stats.get("bytes_in_use", weight_bytes)
+    else:
+        budget = cache.cpu_kv_cache_gb * (1 << 30)
+    blocks = min(int(budget // spec.bytes_per_block), max_useful_blocks)
+    if blocks < 2:
+        raise ValueError(
+            f"No memory left for the KV cache ({budget / 2**30:.2f} GiB after weights); raise "
+            "--gpu-memory-utilization or set --num-gpu-blocks-override."
+        )
+    return blocks
+
+
+def allocate_kv_pool(
+    spec: KVCacheSpec, num_blocks: int, mesh: Mesh
+) -> jax.Array:  # [num_layers * num_blocks, page_size, 2 * num_kv_heads, head_dim]
+    shape = (spec.num_layers * num_blocks, spec.page_size, 2 * spec.num_kv_heads, spec.head_dim)
+    sharding = named_sharding(mesh, KV_POOL_AXES)
+    pool = jax.jit(lambda: jnp.zeros(shape, spec.dtype), out_shardings=sharding)()
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%.2f GiB)",
+        num_blocks,
+        spec.page_size,
+        math.prod(shape) * jnp.dtype(spec.dtype).itemsize / 2**30,
+    )
+    return pool

@@ -1,0 +1,62 @@
+"""The one table that maps logical axis names onto mesh axes.
+
+Models, the loader and the KV cache name their array axes logically ("vocab", "embed",
+"q_heads", ...); only this module knows that tensor parallelism means splitting some of
+them over the mesh axis "model" and data parallelism uses the axis "data". Changing how a
+model is sharded is a change to this table, never to a model file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "model")
+
+LOGICAL_AXIS_RULES: dict[str, str | None] = {
+    "layers": None,
+    "vocab": "model",
+    "embed": None,
+    "q_heads": "model",  # flattened num_heads * head_dim of q projections
+    "kv_heads": "model",  # flattened num_kv_heads * head_dim of k/v projections
+    "mlp": "model",
+    "norm": None,
+    "kv_pages": None,
+    "kv_page_slots": None,
+    "kv_combined_heads": "model",  # the interleaved (k, v) head axis of the KV pool
+    "head_dim": None,
+}
+
+
+def logical_to_spec(axes: Sequence[str | None]) -> PartitionSpec:
+    return PartitionSpec(*(LOGICAL_AXIS_RULES.get(a) if a else None for a in axes))
+
+
+def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices=None) -> Mesh:
+    devices = jax.devices() if devices is None else devices
+    need = tensor_parallel_size * data_parallel_size
+    if need > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size * data_parallel_size = {need} needs {need} devices; "
+            f"{len(devices)} are visible."
+        )
+    grid = np.asarray(devices[:need]).reshape(data_parallel_size, tensor_parallel_size)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def named_sharding(mesh: Mesh, axes: Sequence[str | None]) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(axes))
+
+
+def state_shardings(state: nnx.State, mesh: Mesh):
+    """A pytree of NamedShardings matching `state`, from each Param's logical_axes."""
+
+    def one(var):
+        axes = var.get_metadata().get("logical_axes") or (None,) * var.value.ndim
+        return named_sharding(mesh, axes)
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
