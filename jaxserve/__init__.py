@@ -1,9 +1,20 @@
-"""jaxserve: serve large language models with JAX, speaking vLLM's language."""
+"""jaxserve: serve large language models with JAX, speaking vLLM's language.
 
-from jaxserve.llm import LLM
+`LLM` is imported lazily so that the host-side modules (scheduler, detokenizer, request
+schemas) load without initialising JAX.
+"""
+
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from jaxserve.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

@@ -1,0 +1,227 @@
+"""The KV page pool: which pages each request owns, and which pages can be reused.
+
+Only the Scheduler calls this class (see DESIGN.md, "Who may touch what"). The runner
+never sees it: it receives each sequence's page table inside the SchedulerOutput.
+
+Prefix caching works on *full* pages. A full page is named by a chained hash of its
+tokens and of the hash of the page before it, so equal hashes mean equal prefixes, not
+just equal pages. A page whose last user has finished keeps its hash and its KV while it
+sits in the free queue; it is reused as a cache hit until allocation evicts it. The free
+queue is in LRU order, so the pages freed longest ago are evicted first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+# Page 0 is never handed out: padded page-table entries on the device point at it, so
+# whatever garbage the runner writes there hurts no one.
+NULL_BLOCK_ID = 0
+
+BlockHash = Hashable
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted once per request, on its first admission (recomputes after a preemption
+    would otherwise inflate the hit rate with the request's own pages)."""
+
+    requests: int = 0
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens served from the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def record(self, num_queries: int, num_hits: int) -> None:
+        self.requests += 1
+        self.queries += num_queries
+        self.hits += num_hits
+
+
+def _hash_builtin(parent: BlockHash | None, tokens: tuple[int, ...]) -> BlockHash:
+    return hash((parent, tokens))
+
+
+def _hash_sha256(parent: BlockHash | None, tokens: tuple[int, ...]) -> BlockHash:
+    # Collision-resistant, for deployments where a 64-bit Python hash collision (which
+    # would serve one prompt another prompt's KV) is not an acceptable risk.
+    return hashlib.sha256(pickle.dumps((parent, tokens), protocol=5)).digest()
+
+
+_HASH_FNS = {"builtin": _hash_builtin, "sha256": _hash_sha256}
+
+
+class BlockManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, hash_algo: str = "builtin"
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (page 0 is reserved), got {num_blocks}.")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}.")
+        if hash_algo not in _HASH_FNS:
+            raise ValueError(
+                f"prefix_caching_hash_algo must be one of {sorted(_HASH_FNS)}, got {hash_algo!r}."
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._hash_fn = _HASH_FNS[hash_algo]
+
+        self._ref_counts = [0] * num_blocks
+        self._block_hash: list[BlockHash | None] = [None] * num_blocks
+        self._cached: dict[BlockHash, int] = {}  # hash of a full page -> the page holding it
+        # Pages with ref count 0, head = next to be evicted. An OrderedDict gives O(1)
+        # removal from the middle, which a cache hit on a free page needs.
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self._tables: dict[str, list[int]] = {}
+        # Chained hashes of the request's full pages registered so far; the next page's
+        # hash chains from the last one.
+        self._req_hashes: dict[str, list[BlockHash]] = {}
+        self.stats = PrefixCacheStats()
+
+    # ---- reading -----------------------------------------------------------------------
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Pages allocation may take, cached-but-unreferenced ones included."""
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return list(self._tables.get(req_id, ()))
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache lookup -------------------------------------------------------------
+
+    def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+        """The pages of the longest cached prefix of full pages, and the tokens they hold.
+
+        Stops one token short of the whole sequence: the last token must be fed to the
+        model so that there are logits to sample the next token from.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        blocks: list[int] = []
+        parent: BlockHash | None = None
+        for i in range((len(token_ids) - 1) // bs):
+            parent = self._hash_fn(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            block = self._cached.get(parent)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * bs
+
+    # ---- allocation ----------------------------------------------------------------------
+
+    def allocate(self, req_id: str, num_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Grow the request's page table to hold num_tokens tokens.
+
+        computed_blocks (from get_computed_blocks) are only accepted on a request's first
+        allocation; they are shared, not copied. Returns False and changes nothing when the
+        pool cannot supply the pages.
+        """
+        table = self._tables.get(req_id)
+        if computed_blocks and table:
+            raise ValueError(f"Request {req_id!r} already has pages; cache hits only apply to a new table.")
+        have = len(table) if table else 0
+        num_new = self.num_blocks_for(num_tokens) - have - len(computed_blocks)
+        # A free page that is a cache hit leaves the free queue, so it does not count twice.
+        num_free_hits = sum(1 for b in computed_blocks if self._ref_counts[b] == 0)
+        if num_new > self.num_free_blocks - num_free_hits:
+            return False
+
+        if table is None:
+            table = self._tables[req_id] = []
+            self._req_hashes[req_id] = []
+        for block in computed_blocks:
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+            table.append(block)
+            self._req_hashes[req_id].append(self._block_hash[block])
+        for _ in range(max(num_new, 0)):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._ref_counts[block] = 1
+            table.append(block)
+        return True
+
+    def _evict(self, block: int) -> None:
+        block_hash = self._block_hash[block]
+        if block_hash is not None:
+            self._block_hash[block] = None
+            if self._cached.get(block_hash) == block:
+                del self._cached[block_hash]
+
+    def cache_full_blocks(self, req_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Register the request's pages that are full once num_tokens tokens are written.
+
+        Called when their KV is (being) written; calling it again is cheap and idempotent.
+        """
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables[req_id]
+        hashes = self._req_hashes[req_id]
+        bs = self.block_size
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), min(num_tokens // bs, len(table))):
+            parent = self._hash_fn(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(parent)
+            block = table[i]
+            # If another page already holds this prefix (two requests computed it at the
+            # same time), keep that one; this page stays anonymous and is evicted first.
+            if parent not in self._cached:
+                self._cached[parent] = block
+                self._block_hash[block] = parent
+
+    def free(self, req_id: str) -> None:
+        """Drop the request's references; unknown ids are ignored.
+
+        Walks the table backwards so that the end of a sequence lands in the free queue
+        before its beginning and is evicted first: a later request is likelier to share the
+        beginning. Anonymous pages (nothing cached in them) go to the head: they are
+        worth nothing, so they are reused before any cached page.
+        """
+        table = self._tables.pop(req_id, None)
+        self._req_hashes.pop(req_id, None)
+        if table is None:
+            return
+        for block in reversed(table):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
+                if self._block_hash[block] is None:
+                    self._free.move_to_end(block, last=False)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Refused (False) while any page is in use, as in vLLM,
+        because a running request's table still points at pages whose hash it recorded."""
+        if self.num_free_blocks != self.num_usable_blocks:
+            return False
+        self._cached.clear()
+        self._block_hash = [None] * self.num_blocks
+        return True

@@ -1,0 +1,300 @@
+"""Continuous batching: decides, every step, which requests run and how many tokens each.
+
+Sits between LLMEngine.add_request and the runner: schedule() builds the SchedulerOutput
+for one step, update() takes the ModelRunnerOutput back, appends the sampled tokens and
+finishes requests. It is the sole writer of Request state and the only caller of the
+BlockManager.
+
+As in vLLM v1 there are no separate prefill and decode phases: a request has
+num_computed_tokens (tokens whose KV is in the cache) and every step it is fed the next
+tokens of prompt + output it has not computed yet. A decode is a chunk of one token; a
+prefill is a chunk of many; both share one step and one token budget. num_computed_tokens
+advances at schedule time, so the next step can be planned before this one's tokens are
+back.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Iterable
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.engine.block_manager import BlockManager, PrefixCacheStats
+from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.scheduler_output import ModelRunnerOutput, SamplingRow, ScheduledSeq, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        if scheduler_config.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {scheduler_config.policy!r}.")
+        if scheduler_config.preemption_mode != "recompute":
+            raise ValueError("Only preemption_mode='recompute' is supported.")
+        self.config = scheduler_config
+        self.block_manager = BlockManager(
+            num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            cache_config.prefix_caching_hash_algo,
+        )
+        self.requests: dict[str, Request] = {}  # live (unfinished) requests by id
+        # fcfs: arrival order, preempted requests in front. priority: sorted by
+        # (priority, arrival_time), preempted requests re-inserted by the same key.
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # in scheduling order; the tail is preempted first
+        self.num_preemptions = 0
+
+    # ---- queues --------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.block_manager.usage
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.block_manager.stats
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raise ValueError for one that could never be scheduled, rather
+        than letting it wait (and block the queue behind it) forever."""
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in use.")
+        # The last sampled token is never fed, so its KV never needs a page.
+        max_kv_tokens = min(request.num_prompt_tokens + request.max_tokens - 1, self.config.max_model_len)
+        bm = self.block_manager
+        if bm.num_blocks_for(max_kv_tokens) > bm.num_usable_blocks:
+            raise ValueError(
+                f"Request {request.request_id!r} needs up to {max_kv_tokens} tokens of KV cache but the "
+                f"pool holds only {bm.num_usable_blocks * bm.block_size}."
+            )
+        if not self.config.enable_chunked_prefill and max_kv_tokens > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"Request {request.request_id!r} may need a prefill of {max_kv_tokens} tokens, more than "
+                f"max_num_batched_tokens={self.config.max_num_batched_tokens}, and chunked prefill is off."
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def _push_waiting(self, request: Request, front: bool = False) -> None:
+        if self.config.policy == "priority":
+            bisect.insort(self.waiting, request, key=_priority_key)
+        elif front:
+            self.waiting.insert(0, request)
+        else:
+            self.waiting.append(request)
+
+    # ---- schedule ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_new: dict[str, int] = {}  # request id -> tokens scheduled this step
+        scheduled: list[Request] = []  # in the order the rows are laid out
+        preempted = False
+
+        # 1. Running requests, in order: decodes and the next chunks of ongoing prefills.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk_size(req, req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.block_manager.allocate(req.request_id, req.num_computed_tokens + n):
+                victim = self._pick_victim()
+                preempted = True
+                if victim.request_id in num_new:
+                    # Already scheduled this step (possible under the priority policy):
+                    # give back its tokens and its row.
+                    budget += num_new.pop(victim.request_id)
+                    scheduled.remove(victim)
+                self._preempt(victim)
+                if victim is req:
+                    break
+                i = self.running.index(req)  # the victim may have stood before req
+            else:
+                scheduled.append(req)
+                num_new[req.request_id] = n
+                budget -= n
+                i += 1
+                continue
+            break  # the request preempted itself: nothing below it can get pages either
+
+        # 2. Waiting requests, unless this step had to preempt: pages are short, and the
+        # preempted requests must not be readmitted ahead of the running ones.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            first_time = req.status == RequestStatus.WAITING
+            token_ids = req.all_token_ids
+            computed_blocks, num_cached = self.block_manager.get_computed_blocks(token_ids)
+            n = self._chunk_size(req, num_cached, budget)
+            if not self.config.enable_chunked_prefill and num_cached + n < req.num_tokens:
+                break  # the whole prompt must fit; keep strict order rather than skip it
+            if not self.block_manager.allocate(req.request_id, num_cached + n, computed_blocks):
+                break
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            if first_time:
+                req.num_cached_tokens = num_cached
+                if self.block_manager.enable_prefix_caching:
+                    self.block_manager.stats.record(req.num_tokens, num_cached)
+            self.running.append(req)
+            scheduled.append(req)
+            num_new[req.request_id] = n
+            budget -= n
+
+        return SchedulerOutput(seqs=tuple(self._commit(req, num_new[req.request_id]) for req in scheduled))
+
+    def _chunk_size(self, req: Request, num_computed: int, budget: int) -> int:
+        n = req.num_tokens - num_computed
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0 and self.config.enable_chunked_prefill:
+            n = min(n, threshold)  # leave budget for other prefills in the same step
+        return min(n, budget)
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=_priority_key)
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        """Preemption by recompute: drop the KV, keep the tokens; the request's prompt and
+        outputs so far are prefilled again when it is readmitted (mostly from the prefix
+        cache, if its pages have not been evicted by then)."""
+        self.running.remove(req)
+        self.block_manager.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(req, front=True)
+
+    def _commit(self, req: Request, n: int) -> ScheduledSeq:
+        """Freeze the request's row and advance num_computed_tokens.
+
+        Pages are registered in the prefix cache here, after every preemption decision of
+        the step, so that no page whose KV this step will not write is ever cached.
+        """
+        start = req.num_computed_tokens
+        end = start + n
+        num_prompt = req.num_prompt_tokens
+        if end <= num_prompt:
+            token_ids = tuple(req.prompt_token_ids[start:end])
+        else:  # avoid building prompt + output for a one-token decode
+            token_ids = tuple(req.prompt_token_ids[start:]) + tuple(
+                req.output_token_ids[max(start - num_prompt, 0) : end - num_prompt]
+            )
+        bm = self.block_manager
+        if bm.enable_prefix_caching and end // bm.block_size > start // bm.block_size:
+            bm.cache_full_blocks(req.request_id, req.all_token_ids, end)
+        req.num_computed_tokens = end
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=token_ids,
+            start_pos=start,
+            block_ids=tuple(bm.block_ids(req.request_id)),
+            sampling=_sampling_row(req) if end == req.num_tokens else None,
+        )
+
+    # ---- update --------------------------------------------------------------------------
+
+    def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Append the sampled tokens and finish requests that stop; returns the requests
+        that received a token (finished ones included). Rows of requests aborted since
+        schedule() are dropped."""
+        del scheduler_output  # num_computed_tokens already advanced at schedule time
+        now = time.monotonic()
+        updated: list[Request] = []
+        tokens = runner_output.sampled_token_ids.tolist()
+        logprobs = runner_output.logprobs.tolist()
+        for req_id, token, logprob in zip(runner_output.req_ids, tokens, logprobs, strict=True):
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.output_token_ids.append(token)
+            req.cumulative_logprob += logprob
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status)
+            updated.append(req)
+        return updated
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        """vLLM v1's check_stop order: min_tokens gates eos, then stop_token_ids, then
+        length. Unlike vLLM, min_tokens never gates the length limit: a request must not
+        outgrow max_model_len even if its min_tokens asks for more."""
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token == req.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_tokens >= self.config.max_model_len or req.num_output_tokens >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- finishing -----------------------------------------------------------------------
+
+    def finish_requests(
+        self,
+        request_ids: str | Iterable[str],
+        status: RequestStatus,
+        stop_reason: int | str | None = None,
+    ) -> None:
+        """Finish requests from outside the step: aborts, and stop strings the detokenizer
+        found (pass the string as stop_reason). Unknown or finished ids are ignored."""
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status.")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for req_id in request_ids:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            if stop_reason is not None:
+                req.stop_reason = stop_reason
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        del self.requests[req.request_id]
+        self.block_manager.free(req.request_id)
+        req.status = status
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_manager.reset_prefix_cache()
+
+
+def _priority_key(req: Request) -> tuple[int, float]:
+    return (req.priority, req.arrival_time)
+
+
+def _sampling_row(req: Request) -> SamplingRow:
+    p = req.sampling_params
+    return SamplingRow(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        seed=req.seed,
+        step=req.num_output_tokens,
+    )

@@ -1,0 +1,248 @@
+"""Fixtures for the host-side engine tests: requests, a fake model, a step loop, tokenizers.
+
+Nothing here imports jax: the scheduler is driven by FakeModel, which stands in for the
+runner. FakeModel keeps its own paged "KV cache" (page, slot) -> token, writes the fed
+tokens where the page table says, and reads the whole context back through the page
+table before it samples. So a wrong page table, a page shared when it should not be, or
+a prefix-cache hit on the wrong page shows up as a context that differs from the
+request's tokens. The sampled token is a hash of that context, so a request's output
+depends only on its prompt: any schedule (chunked, preempted, cached) must produce the
+same outputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.engine.request import Request
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+EOS = 1
+# Fake sampled tokens lie in [FIRST_FAKE_TOKEN, FIRST_FAKE_TOKEN + NUM_FAKE_TOKENS), away
+# from EOS and from the stop token ids the tests choose.
+FIRST_FAKE_TOKEN = 100
+NUM_FAKE_TOKENS = 50
+
+
+def context_token(context: list[int]) -> int:
+    return FIRST_FAKE_TOKEN + zlib.crc32(np.asarray(context, np.int64).tobytes()) % NUM_FAKE_TOKENS
+
+
+class FakeModel:
+    def __init__(self, scheduler: Scheduler, token_fn: Callable[[Request, list[int]], int] | None = None):
+        self.scheduler = scheduler
+        self.block_size = scheduler.block_manager.block_size
+        self.token_fn = token_fn or (lambda req, context: context_token(context))
+        self.kv: dict[tuple[int, int], int] = {}
+        self.seen: dict[str, Request] = {}  # a request aborted after schedule() still runs
+
+    def __call__(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        bs = self.block_size
+        req_ids, tokens = [], []
+        for seq in out.seqs:
+            req = self.scheduler.requests.get(seq.request_id) or self.seen[seq.request_id]
+            self.seen[seq.request_id] = req
+            end = seq.start_pos + seq.num_new
+            assert seq.num_new > 0
+            assert 0 not in seq.block_ids, "the null page must never be handed out"
+            assert len(seq.block_ids) * bs >= end
+            assert list(seq.token_ids) == req.all_token_ids[seq.start_pos : end]
+            for pos, token in enumerate(seq.token_ids, start=seq.start_pos):
+                self.kv[(seq.block_ids[pos // bs], pos % bs)] = token
+            context = [self.kv.get((seq.block_ids[pos // bs], pos % bs)) for pos in range(end)]
+            assert context == req.all_token_ids[:end], f"{req} read a corrupted context"
+            if seq.sampling is not None:
+                assert end == req.num_tokens
+                assert seq.sampling.step == req.num_output_tokens
+                assert seq.sampling.seed == req.seed
+                req_ids.append(seq.request_id)
+                tokens.append(self.token_fn(req, context))
+            else:
+                assert end < req.num_tokens
+        return ModelRunnerOutput(
+            req_ids=tuple(req_ids),
+            sampled_token_ids=np.asarray(tokens, np.int32),
+            logprobs=np.full(len(tokens), -0.5, np.float32),
+        )
+
+
+def check_accounting(scheduler: Scheduler) -> None:
+    """Every live request is in exactly one queue, and page ref counts match the tables."""
+    waiting = [r.request_id for r in scheduler.waiting]
+    running = [r.request_id for r in scheduler.running]
+    assert len(set(waiting)) == len(waiting) and len(set(running)) == len(running)
+    assert not set(waiting) & set(running)
+    assert set(waiting) | set(running) == set(scheduler.requests)
+    assert len(scheduler.running) <= scheduler.config.max_num_seqs
+    bm = scheduler.block_manager
+    refs = [0] * bm.num_blocks
+    for req_id in scheduler.requests:
+        if req_id not in running:
+            assert bm.block_ids(req_id) == [], "a waiting request holds no pages"
+        for block in bm.block_ids(req_id):
+            refs[block] += 1
+    assert refs[0] == 0
+    assert all(bm.ref_count(b) == refs[b] for b in range(1, bm.num_blocks))
+    assert bm.num_free_blocks == sum(1 for b in range(1, bm.num_blocks) if refs[b] == 0)
+
+
+def run_to_completion(
+    scheduler: Scheduler, model: FakeModel | None = None, max_steps: int = 10_000
+) -> list[SchedulerOutput]:
+    """Step until every request finishes, checking the budget and accounting each step."""
+    model = model or FakeModel(scheduler)
+    outputs = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            break
+        out = scheduler.schedule()
+        assert out.num_tokens <= scheduler.config.max_num_batched_tokens
+        assert len(out.seqs) <= scheduler.config.max_num_seqs
+        assert not out.is_empty, "a step with unfinished requests scheduled nothing"
+        scheduler.update(out, model(out))
+        check_accounting(scheduler)
+        outputs.append(out)
+    else:
+        raise AssertionError("requests did not finish")
+    bm = scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks
+    assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
+    return outputs
+
+
+@pytest.fixture
+def fake_model() -> type[FakeModel]:
+    return FakeModel
+
+
+@pytest.fixture
+def run() -> Callable[..., list[SchedulerOutput]]:
+    return run_to_completion
+
+
+@pytest.fixture
+def accounting() -> Callable[[Scheduler], None]:
+    return check_accounting
+
+
+@pytest.fixture
+def make_scheduler() -> Callable[..., Scheduler]:
+    def make(
+        num_blocks: int = 64,
+        block_size: int = 4,
+        enable_prefix_caching: bool = False,
+        hash_algo: str = "builtin",
+        **scheduler_kwargs,
+    ) -> Scheduler:
+        scheduler_kwargs.setdefault("max_model_len", 256)
+        cache = CacheConfig(
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            prefix_caching_hash_algo=hash_algo,
+        )
+        return Scheduler(SchedulerConfig(**scheduler_kwargs), cache, num_blocks)
+
+    return make
+
+
+@pytest.fixture
+def make_request() -> Callable[..., Request]:
+    ids = itertools.count()
+    clock = itertools.count()
+
+    def make(
+        prompt: int | list[int] = 8,
+        *,
+        max_tokens: int = 4,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        **params,
+    ) -> Request:
+        n = next(ids)
+        if isinstance(prompt, int):  # a prompt of that length, distinct per request
+            prompt = [2 + (n * 7919 + i * 31) % 90 for i in range(prompt)]
+        return Request(
+            request_id or f"req-{n}",
+            prompt,
+            SamplingParams(max_tokens=max_tokens, **params),
+            seed=1000 + n,
+            eos_token_id=EOS,
+            priority=priority,
+            arrival_time=float(next(clock)) if arrival_time is None else arrival_time,
+            max_tokens=max_tokens,
+        )
+
+    return make
+
+
+# ---- tokenizers for the detokenizer tests ------------------------------------------------
+
+CORPUS = [
+    "Hello world, this is a test of the tokenizer.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Café crème brûlée, déjà vu, naïve résumé.",
+    "日本語のテキストと日本の文化。",
+    "Emoji time 😀 🎉 🚀 party!",
+    "Stop here. STOP! Then continue.",
+]
+
+
+def _train(tokenizer, pre_tokenizer, decoder, alphabet):
+    from tokenizers import trainers
+
+    tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.decoder = decoder
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS * 3, trainer)
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer():
+    """GPT-2 style byte-level BPE (SmolLM2's kind): characters outside the learned merges
+    split into byte tokens, so partial UTF-8 sequences really occur."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _train(
+        Tokenizer(models.BPE()),
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+        decoders.ByteLevel(),
+        pre_tokenizers.ByteLevel.alphabet(),
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", clean_up_tokenization_spaces=False
+    )
+
+
+@pytest.fixture(scope="session")
+def metaspace_tokenizer():
+    """SentencePiece style (Llama's kind): a leading "▁" decodes to a space except at the
+    start of the decoded string, so decoding a window must keep left context."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(set("".join(CORPUS)) | {"▁"})
+    tok = _train(
+        Tokenizer(models.BPE(unk_token="<|endoftext|>")),
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always"),
+        decoders.Metaspace(replacement="▁", prepend_scheme="always"),
+        alphabet,
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", clean_up_tokenization_spaces=False
+    )
