@@ -1,0 +1,313 @@
+"""GGUF files (llama.cpp's one-file checkpoints) -> Hugging Face config, tensors and tokenizer.
+
+Where it sits: the loader layer, beside ``safetensors.py``. It translates a GGUF into exactly what a
+Hugging Face directory would have given: a ``config.json``-style dict for the model registry, a
+``(hf_name, float32 array)`` stream in Hugging Face names and layouts for the weight loader, and a
+transformers fast tokenizer (with the file's chat template) for tokenization and detokenization.
+Nothing downstream needs to know the weights came from a GGUF.
+
+Quantized blocks are dequantized to float32 here, once, on the host; the model then casts to its
+serving dtype like any other checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType, ReaderField, ReaderTensor
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Architecture:
+    """What differs between GGUF architectures that share Llama's tensor naming."""
+
+    hf_architecture: str
+    model_type: str
+    # llama.cpp's converter reorders each q/k head's rows for its interleaved rope; HF rotates halves.
+    permute_qk: bool
+
+
+_ARCHITECTURES: dict[str, _Architecture] = {
+    "llama": _Architecture(hf_architecture="LlamaForCausalLM", model_type="llama", permute_qk=True),
+}
+
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Present in some files but not parameters of the HF model. rope_freqs carries Llama-3.1's rope
+# scaling as per-dimension factors; HF expresses that in config.rope_scaling, which GGUF omits.
+_SKIPPED_TENSORS = {"rope_freqs": "per-dimension rope factors are not applied", "attn_rot_embd": "unused"}
+
+
+class _PlainArrayReader(GGUFReader):
+    """GGUFReader that parses its header through a plain ndarray view of the memory map.
+
+    Why: GGUFReader does two small slices per metadata string, and every np.memmap slice pays for
+    memmap.__getitem__/__array_finalize__. With a 49k-token vocabulary and 49k merges that is ~5.5 s
+    per open of SmolLM2; through a plain view it is ~1.3 s. The view keeps the map alive via .base.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain_data = value.view(np.ndarray)
+
+
+def read_gguf_config(path: str) -> dict:
+    """A Hugging Face ``LlamaConfig``-style dict built from the file's metadata."""
+    reader = _open(path)
+    return _hf_config(reader, path)
+
+
+def iter_gguf_tensors(path: str, use_tqdm: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+    """Every model tensor as ``(hf_name, float32 array)`` in Hugging Face layout, in file order.
+
+    The file is opened and every tensor name checked before the first tensor is yielded, so a bad
+    file fails at the call, not halfway through loading.
+    """
+    reader = _open(path)
+    arch = _architecture(reader, path)
+    config = _hf_config(reader, path)
+    names = [_hf_tensor_name(tensor.name, path) for tensor in reader.tensors]
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    return _iter_tensors(reader, names, arch, heads, path, use_tqdm)
+
+
+def load_gguf_tokenizer(path: str):
+    """A transformers fast tokenizer rebuilt from the file's vocabulary, merges and special tokens.
+
+    transformers does the conversion, so the tokenizer is the very one the Hugging Face side of the
+    correctness tests uses. Two deliberate differences from ``AutoTokenizer.from_pretrained(dir,
+    gguf_file=...)``, which gives identical tokens otherwise:
+    - it is loaded from a directory holding only (a link to) the file: transformers prefers a
+      ``tokenizer.json`` / ``tokenizer_config.json`` that sits beside the GGUF, which may belong to
+      another model; a .gguf's tokenizer must come from the .gguf.
+    - the class is asked for directly: AutoTokenizer first parses the whole file again for a model
+      config it uses only to pick that class (~9 s on SmolLM2, against <1 s here).
+    """
+    reader = _open(path)
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        raise ValueError(f"{path}: has no tokenizer in its metadata (no tokenizer.ggml.tokens)")
+    template = _field(reader, "tokenizer.chat_template")
+    del reader  # release the map before transformers maps the file again
+
+    from transformers import PreTrainedTokenizerFast
+
+    model_dir, file_name = os.path.split(os.path.abspath(path))
+    try:
+        with tempfile.TemporaryDirectory(prefix="jaxserve-gguf-") as isolated:
+            os.symlink(os.path.join(model_dir, file_name), os.path.join(isolated, file_name))
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(isolated, gguf_file=file_name)
+    except Exception as err:  # transformers raises many types; the caller needs one, naming the file
+        raise ValueError(f"{path}: could not build a tokenizer from its metadata ({err})") from err
+    tokenizer.name_or_path = model_dir
+    if template is not None:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def _open(path: str) -> GGUFReader:
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such GGUF file")
+    try:
+        return _PlainArrayReader(path)
+    except Exception as err:  # gguf signals bad/truncated input with bare numpy errors
+        raise ValueError(f"{path}: not a valid GGUF file or truncated ({err})") from err
+
+
+def _architecture(reader: GGUFReader, path: str) -> _Architecture:
+    name = _field(reader, "general.architecture")
+    if name not in _ARCHITECTURES:
+        supported = ", ".join(sorted(_ARCHITECTURES))
+        raise ValueError(f"{path}: GGUF architecture {name!r} is not supported (supported: {supported})")
+    return _ARCHITECTURES[name]
+
+
+def _hf_config(reader: GGUFReader, path: str) -> dict:
+    arch = _architecture(reader, path)
+    prefix = _field(reader, "general.architecture")
+
+    def required(key: str) -> Any:
+        value = _field(reader, f"{prefix}.{key}")
+        if value is None:
+            raise ValueError(f"{path}: metadata key {prefix}.{key} is missing")
+        return value
+
+    hidden_size = required("embedding_length")
+    num_heads = required("attention.head_count")
+    num_kv_heads = _field(reader, f"{prefix}.attention.head_count_kv", num_heads)
+    # key_length is the true head size when present; rope.dimension_count equals it for llama.
+    head_dim = _field(
+        reader, f"{prefix}.attention.key_length", _field(reader, f"{prefix}.rope.dimension_count")
+    )
+    tensor_names = {tensor.name for tensor in reader.tensors}
+
+    config: dict[str, Any] = {
+        "architectures": [arch.hf_architecture],
+        "model_type": arch.model_type,
+        "hidden_size": hidden_size,
+        "intermediate_size": required("feed_forward_length"),
+        "num_hidden_layers": required("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim if head_dim is not None else hidden_size // num_heads,
+        "rms_norm_eps": required("attention.layer_norm_rms_epsilon"),
+        "rope_theta": _field(reader, f"{prefix}.rope.freq_base", 10000.0),
+        "max_position_embeddings": required("context_length"),
+        "vocab_size": _vocab_size(reader, prefix, path),
+        "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "torch_dtype": "float32",
+    }
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        gguf_key = "tokenizer.ggml." + key.replace("pad_", "padding_")
+        if (token_id := _field(reader, gguf_key)) is not None:
+            config[key] = token_id
+    if (rope_scaling := _rope_scaling(reader, prefix)) is not None:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+def _vocab_size(reader: GGUFReader, prefix: str, path: str) -> int:
+    """The embedding's row count first: it is what the weights have; the metadata key is optional."""
+    for tensor in reader.tensors:
+        if tensor.name == "token_embd.weight":
+            return int(tensor.shape[-1])  # GGUF lists dimensions fastest first: [hidden, vocab]
+    if (size := _field(reader, f"{prefix}.vocab_size")) is not None:
+        return size
+    if (tokens := reader.fields.get("tokenizer.ggml.tokens")) is not None:
+        return len(tokens.data)
+    raise ValueError(f"{path}: cannot tell the vocabulary size (no vocab_size, token_embd or tokens)")
+
+
+def _rope_scaling(reader: GGUFReader, prefix: str) -> dict | None:
+    kind = _field(reader, f"{prefix}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    scaling: dict[str, Any] = {
+        "rope_type": kind,
+        "factor": _field(reader, f"{prefix}.rope.scaling.factor", 1.0),
+    }
+    original = _field(reader, f"{prefix}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = original
+    attn_factor = _field(reader, f"{prefix}.rope.scaling.attn_factor")
+    if attn_factor is not None:
+        scaling["attention_factor"] = attn_factor
+    return scaling
+
+
+def _hf_tensor_name(gguf_name: str, path: str) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None to skip."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        raise ValueError(f"{path}: unexpected tensor {gguf_name!r}")
+    if stem in _SKIPPED_TENSORS:
+        logger.warning("%s: skipping %s (%s)", path, gguf_name, _SKIPPED_TENSORS[stem])
+        return None
+    if stem in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        if parts[2] in _SKIPPED_TENSORS:
+            return None
+        if parts[2] in _BLOCK_TENSORS:
+            return f"model.layers.{parts[1]}.{_BLOCK_TENSORS[parts[2]]}.{suffix}"
+    raise ValueError(f"{path}: tensor {gguf_name!r} has no Hugging Face counterpart in this loader")
+
+
+def _iter_tensors(
+    reader: GGUFReader,
+    names: list[str | None],
+    arch: _Architecture,
+    heads: dict[str, int],
+    path: str,
+    use_tqdm: bool,
+) -> Iterator[tuple[str, np.ndarray]]:
+    tensors = tqdm(reader.tensors, desc="Loading GGUF", unit="tensor", disable=not use_tqdm)
+    for tensor, hf_name in zip(tensors, names, strict=True):
+        if hf_name is None:
+            continue
+        weights = _dequantize(tensor, path)
+        kind = tensor.name.split(".")[-2]
+        if arch.permute_qk and kind in heads:
+            weights = _unpermute_rows(weights, heads[kind], tensor.name, path)
+        yield hf_name, weights
+
+
+def _dequantize(tensor: ReaderTensor, path: str) -> np.ndarray:
+    # GGUF lists dimensions fastest-moving first; numpy (and HF's [out, in]) is the reverse.
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    try:
+        weights = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as err:
+        raise ValueError(
+            f"{path}: tensor {tensor.name!r} uses {tensor.tensor_type.name}, which gguf cannot dequantize"
+        ) from err
+    if weights.size != int(np.prod(shape)):
+        raise ValueError(f"{path}: tensor {tensor.name!r} holds {weights.size} values, expected {shape}")
+    # A copy: F32 tensors come back as views of the read-only map, and callers may keep or mutate them.
+    return np.array(weights.reshape(shape), dtype=np.float32, order="C")
+
+
+def _unpermute_rows(weights: np.ndarray, num_heads: int, name: str, path: str) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation so HF's rotate-half rope applies.
+
+    llama.cpp's converter does ``w.reshape(n, 2, d // 2, ...).swapaxes(1, 2)`` per head (pairing
+    row i with row i + d/2 for its interleaved rope); the inverse is the same swap read the other way:
+    ``w.reshape(n, d // 2, 2, ...).swapaxes(1, 2)``. Biases (1-D) go through the same rows.
+    """
+    rows = weights.shape[0]
+    if rows % (2 * num_heads):
+        raise ValueError(f"{path}: tensor {name!r} has {rows} rows, not a multiple of 2 x {num_heads} heads")
+    half = rows // num_heads // 2
+    return np.ascontiguousarray(
+        weights.reshape(num_heads, half, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+    )
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else _field_value(field)
+
+
+def _field_value(field: ReaderField) -> Any:
+    """A metadata value as plain Python (str, int, float, bool, or a list of them)."""
+    if field.types[0] == GGUFValueType.ARRAY:
+        item_type = field.types[-1]
+        return [_scalar(field.parts[i], item_type) for i in field.data]
+    return _scalar(field.parts[field.data[0]], field.types[0])
+
+
+def _scalar(part: np.ndarray, value_type: GGUFValueType) -> Any:
+    if value_type == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8")
+    return part.tolist()[0]

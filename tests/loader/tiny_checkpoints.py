@@ -1,0 +1,193 @@
+"""Tiny GGUF files for the loader tests, written the way llama.cpp's converter writes them.
+
+The writer does what llama.cpp's ``convert_hf_to_gguf.py`` does to a Llama checkpoint (renaming,
+permuting q/k rows, quantizing), so reading a file back must give the original tensors. Kept out
+of conftest.py so test modules can import it under a name no other test directory uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import gguf
+import numpy as np
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["h e", "l l", "he ll", "o Ġ", "Ġ w", "Ġw o", "r l", "rl d", "i Ġ", "hell o"]
+
+# HF parameter name -> GGUF tensor name, for one block.
+BLOCK_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+@dataclass
+class TinyGguf:
+    """A tiny llama GGUF on disk and what reading it must give back."""
+
+    path: str
+    config: dict
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)  # HF name -> expected float32
+
+
+def byte_level_tokens() -> list[str]:
+    """GPT-2's byte-to-unicode alphabet: every byte is one printable character in the vocabulary."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's converter applies to HF q/k rows (its ``LlamaModel.permute``)."""
+    return (
+        weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def gpt2_tokenizer_metadata() -> dict:
+    """A byte-level BPE vocabulary (llama.cpp's ``gpt2`` tokenizer model, as SmolLM2 uses)."""
+    tokens = SPECIAL_TOKENS + byte_level_tokens() + [m.replace(" ", "") for m in MERGES]
+    types = [gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS) + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
+    return {"model": "gpt2", "tokens": tokens, "types": types, "merges": MERGES, "add_bos": False}
+
+
+def llama_tokenizer_metadata() -> dict:
+    """A sentencepiece vocabulary with byte fallback (llama.cpp's ``llama`` tokenizer model)."""
+    pieces = ["\u2581", "\u2581h", "e", "l", "o", "\u2581hello", "\u2581w", "or", "ld", "\u2581world", "ll"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [gguf.TokenType.UNKNOWN] + [gguf.TokenType.CONTROL] * 2
+    types += [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * len(pieces)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    return {"model": "llama", "tokens": tokens, "types": types, "scores": scores, "add_bos": True}
+
+
+def write_tiny_gguf(
+    path: str,
+    *,
+    tied: bool,
+    architecture: str = "llama",
+    tokenizer: str = "gpt2",
+    linear_rope_factor: float | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    seed: int = 0,
+) -> TinyGguf:
+    """A 2-layer llama GGUF with a tokenizer: F32 tensors plus a Q8_0 embedding.
+
+    ``extra_tensors`` are written under their GGUF names and are not expected back.
+    """
+    rng = np.random.default_rng(seed)
+    vocab_meta = gpt2_tokenizer_metadata() if tokenizer == "gpt2" else llama_tokenizer_metadata()
+    tokens = vocab_meta["tokens"]
+    hidden, inter, layers, heads, kv_heads, vocab = 64, 96, 2, 4, 2, len(tokens)
+    head_dim = hidden // heads
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": float(np.float32(1e-5)),
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tied,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
+
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_block_count(layers)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model(vocab_meta["model"])
+    writer.add_token_list(tokens)
+    writer.add_token_types(vocab_meta["types"])
+    if "merges" in vocab_meta:
+        writer.add_tokenizer_pre("default")
+        writer.add_token_merges(vocab_meta["merges"])
+    if "scores" in vocab_meta:
+        writer.add_token_scores(vocab_meta["scores"])
+    writer.add_add_bos_token(vocab_meta["add_bos"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    if linear_rope_factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(linear_rope_factor)
+
+    expected: dict[str, np.ndarray] = {}
+
+    def add(hf_name: str, gguf_name: str, value: np.ndarray, heads_to_permute: int = 0) -> None:
+        expected[hf_name] = value
+        stored = llama_cpp_permute(value, heads_to_permute) if heads_to_permute else value
+        writer.add_tensor(gguf_name, np.ascontiguousarray(stored))
+
+    embed = rng.standard_normal((vocab, hidden), dtype=np.float32)
+    q8 = gguf.quants.quantize(embed, gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("token_embd.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # shape from bytes
+    expected["model.embed_tokens.weight"] = gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)
+
+    shapes = {
+        "input_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (heads * head_dim, hidden),
+        "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+        "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+        "self_attn.o_proj.weight": (hidden, heads * head_dim),
+        "post_attention_layernorm.weight": (hidden,),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
+    permute_heads = {"self_attn.q_proj.weight": heads, "self_attn.k_proj.weight": kv_heads}
+    for layer in range(layers):
+        for hf_suffix, gguf_suffix in BLOCK_NAMES.items():
+            value = rng.standard_normal(shapes[hf_suffix], dtype=np.float32)
+            add(
+                f"model.layers.{layer}.{hf_suffix}",
+                f"blk.{layer}.{gguf_suffix}",
+                value,
+                permute_heads.get(hf_suffix, 0),
+            )
+    add("model.norm.weight", "output_norm.weight", rng.standard_normal(hidden, dtype=np.float32))
+    if not tied:
+        add("lm_head.weight", "output.weight", rng.standard_normal((vocab, hidden), dtype=np.float32))
+    for gguf_name, value in (extra_tensors or {}).items():
+        writer.add_tensor(gguf_name, value)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return TinyGguf(path=path, config=config, tensors=expected)
