@@ -20,6 +20,17 @@ i owns rows cu_q_lens[i]:cu_q_lens[i+1]. kv_lens[i] counts its tokens in the cac
 tokens sit at positions kv_lens[i] - q_len_i ... kv_lens[i] - 1 and attend causally to
 everything up to and including themselves. Prefill chunks and decodes (q_len 1) mix
 freely. Rows past cu_q_lens[num_seqs] are padding: their output is zero.
+
+## How the reference stays fast on CPU
+
+Two passes, each reading every needed key page once per unit of work:
+- decode rows (sequences with one new token): one row per sequence, gathering that
+  sequence's pages chunk by chunk;
+- prefill rows: the new tokens of each longer sequence are cut into query blocks of
+  BLOCK_Q rows; a block gathers its sequence's pages once for all its rows and stops at
+  the last key its rows can see (causality), so prefill costs matmuls, not gathers.
+Both use an online softmax over key chunks of KV_CHUNK_TOKENS, so memory stays bounded
+whatever the context length, and both loop only as far as the batch needs.
 """
 
 from __future__ import annotations
@@ -27,9 +38,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Keys are visited in chunks of this many tokens with an online softmax, so memory stays
-# bounded by [num_tokens, chunk] whatever the context length.
-KV_CHUNK_TOKENS = 128
+KV_CHUNK_TOKENS = 256  # keys per online-softmax step
+BLOCK_Q = 64  # query rows per prefill block
+BLOCKS_PER_STEP = 4  # prefill blocks handled together in one loop iteration
 
 
 def write_kv(
@@ -45,6 +56,55 @@ def write_kv(
     return flat.reshape(kv_pages.shape)
 
 
+def _attend_chunks(
+    q: jax.Array,  # [units, rows, num_kv_heads, group, head_dim], already scaled
+    q_pos: jax.Array,  # [units, rows] int32, -1 for rows that see nothing
+    pages: jax.Array,  # [units, pages_per_seq] int32, page table of each unit's sequence
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    num_chunks: jax.Array,  # [] int32, key chunks to visit
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> jax.Array:  # [units, rows, num_kv_heads, group, head_dim] float32
+    units, rows, num_kv_heads, group, head_dim = q.shape
+    page_size = kv_pages.shape[1]
+    chunk_pages = max(1, KV_CHUNK_TOKENS // page_size)
+    chunk = chunk_pages * page_size
+    if pages.shape[1] % chunk_pages:
+        # Pad the page table to whole chunks; the extra entries lie past every position.
+        pages = jnp.pad(pages, ((0, 0), (0, chunk_pages - pages.shape[1] % chunk_pages)))
+
+    def body(c, carry):
+        m, l_sum, acc = carry
+        chunk_ids = jax.lax.dynamic_slice_in_dim(pages, c * chunk_pages, chunk_pages, axis=1)
+        kv = kv_pages[chunk_ids]  # [units, chunk_pages, page_size, 2 * num_kv_heads, head_dim]
+        kv = kv.reshape(units, chunk, num_kv_heads, 2, head_dim).astype(jnp.float32)
+        k, v = kv[:, :, :, 0], kv[:, :, :, 1]  # [units, chunk, num_kv_heads, head_dim]
+        s = jnp.einsum("urkgd,uckd->urkgc", q, k)  # [units, rows, num_kv_heads, group, chunk]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        k_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [units, rows, chunk]
+        if sliding_window is not None:
+            mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        s = jnp.where(mask[:, :, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
+        l_sum = alpha * l_sum + jnp.sum(p, axis=-1)
+        acc = alpha[..., None] * acc + jnp.einsum("urkgc,uckd->urkgd", p, v)
+        return m_new, l_sum, acc
+
+    shape = (units, rows, num_kv_heads, group)
+    init = (
+        jnp.full(shape, -jnp.inf, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros((*shape, head_dim), jnp.float32),
+    )
+    _, l_sum, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    return acc / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
+
+
 def ragged_paged_attention(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
@@ -58,59 +118,44 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim]
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, combined, _ = kv_pages.shape
-    num_kv_heads = combined // 2
+    max_num_seqs = kv_lens.shape[0]
+    num_kv_heads = kv_pages.shape[2] // 2
     group = num_q_heads // num_kv_heads
-    pages_per_seq = page_indices.shape[1]
-    chunk_pages = max(1, min(pages_per_seq, KV_CHUNK_TOKENS // page_size))
-    chunk = chunk_pages * page_size
-    if pages_per_seq % chunk_pages:
-        # Pad the page table to whole chunks; the extra entries lie past every kv_len.
-        pad = chunk_pages - pages_per_seq % chunk_pages
-        page_indices = jnp.pad(page_indices, ((0, 0), (0, pad)))
+    chunk = max(1, KV_CHUNK_TOKENS // kv_pages.shape[1]) * kv_pages.shape[1]
+    attend = lambda *a: _attend_chunks(*a, sliding_window=sliding_window, soft_cap=soft_cap)  # noqa: E731
 
-    # Which sequence each query row belongs to, and its absolute position.
-    rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)
-    valid = rows < cu_q_lens[num_seqs[0]]
-    seq = jnp.where(valid, seq, 0)
-    q_start = cu_q_lens[seq]
-    q_len = cu_q_lens[seq + 1] - q_start
-    q_pos = kv_lens[seq] - q_len + (rows - q_start)  # [num_tokens]
-    q_pos = jnp.where(valid, q_pos, -1)  # padding rows see no key
-    token_pages = page_indices[seq]  # [num_tokens, pages_per_seq]
-
+    seq_ids = jnp.arange(max_num_seqs, dtype=jnp.int32)
+    live = seq_ids < num_seqs[0]
+    q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [max_num_seqs]
     qg = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, head_dim)
-    max_len = jnp.max(jnp.where(jnp.arange(kv_lens.shape[0]) < num_seqs[0], kv_lens, 0))
-    num_chunks = (max_len + chunk - 1) // chunk
+    out = jnp.zeros((num_tokens + 1, num_kv_heads, group, head_dim), jnp.float32)  # last row: sink
 
-    def body(c, carry):
-        m, l_sum, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(token_pages, c * chunk_pages, chunk_pages, axis=1)
-        kv = kv_pages[pages]  # [num_tokens, chunk_pages, page_size, 2 * num_kv_heads, head_dim]
-        kv = kv.reshape(num_tokens, chunk, num_kv_heads, 2, head_dim).astype(jnp.float32)
-        k, v = kv[:, :, :, 0], kv[:, :, :, 1]  # [num_tokens, chunk, num_kv_heads, head_dim]
-        s = jnp.einsum("tkgd,tckd->tkgc", qg, k)  # [num_tokens, num_kv_heads, group, chunk]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        k_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        mask = k_pos[None, :] <= q_pos[:, None]  # [num_tokens, chunk]
-        if sliding_window is not None:
-            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])
-        alpha = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
-        l_sum = alpha * l_sum + jnp.sum(p, axis=-1)
-        acc = alpha[..., None] * acc + jnp.einsum("tkgc,tckd->tkgd", p, v)
-        return m_new, l_sum, acc
+    # Decode rows: one unit per sequence with a single new token.
+    is_decode = q_lens == 1
+    dec_rows = jnp.where(is_decode, cu_q_lens[:-1], num_tokens)  # [max_num_seqs]
+    dec_q = jnp.take(qg, dec_rows, axis=0, mode="fill", fill_value=0)[:, None]
+    dec_pos = jnp.where(is_decode, kv_lens - 1, -1)[:, None]
+    dec_chunks = (jnp.max(jnp.where(is_decode, kv_lens, 0)) + chunk - 1) // chunk
+    dec_out = attend(dec_q, dec_pos, page_indices, kv_pages, dec_chunks)[:, 0]
+    out = out.at[dec_rows].set(dec_out)
 
-    init = (
-        jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
-    )
-    _, l_sum, acc = jax.lax.fori_loop(0, num_chunks, body, init)
-    out = acc / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    # Prefill rows: query blocks of BLOCK_Q rows, each within one sequence.
+    blocks = jnp.where(q_lens > 1, (q_lens + BLOCK_Q - 1) // BLOCK_Q, 0)  # [max_num_seqs]
+    cum_blocks = jnp.cumsum(blocks)
+    num_groups = (cum_blocks[-1] + BLOCKS_PER_STEP - 1) // BLOCKS_PER_STEP
+
+    def prefill_group(g, out):
+        b = g * BLOCKS_PER_STEP + jnp.arange(BLOCKS_PER_STEP, dtype=jnp.int32)
+        seq = jnp.minimum(jnp.searchsorted(cum_blocks, b, side="right"), max_num_seqs - 1)
+        first = cu_q_lens[seq] + (b - (cum_blocks[seq] - blocks[seq])) * BLOCK_Q
+        rows = first[:, None] + jnp.arange(BLOCK_Q, dtype=jnp.int32)[None, :]  # [blocks, BLOCK_Q]
+        valid = (rows < cu_q_lens[seq + 1][:, None]) & (b < cum_blocks[-1])[:, None]
+        rows = jnp.where(valid, rows, num_tokens)
+        pos = jnp.where(valid, kv_lens[seq][:, None] - cu_q_lens[seq + 1][:, None] + rows, -1)
+        blk_q = jnp.take(qg, rows, axis=0, mode="fill", fill_value=0)
+        n_chunks = (jnp.max(pos) + chunk) // chunk
+        blk_out = attend(blk_q, pos, page_indices[seq], kv_pages, n_chunks)
+        return out.at[rows].set(blk_out)
+
+    out = jax.lax.fori_loop(0, num_groups, prefill_group, out)
+    return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
