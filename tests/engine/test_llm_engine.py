@@ -1,0 +1,175 @@
+"""The whole engine on a tiny Llama: scheduling choices (prefix caching, preemption,
+chunked prefill, batching) must never change greedy outputs, seeded sampling must not
+depend on the batch, and a mixed workload after start-up compiles nothing."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from tiny_models import engine_kwargs
+
+from jaxserve import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(7)
+    shared = rng.integers(3, 500, size=20).tolist()  # a common prefix exercises the prefix cache
+    return [shared + rng.integers(3, 500, size=n).tolist() for n in (3, 11, 30)] + [
+        rng.integers(3, 500, size=n).tolist() for n in (2, 50)
+    ]
+
+
+def _generate(llm, prompts, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama_gqa, prompts):
+    """Each prompt alone, prefix caching off, a roomy pool: the plainest schedule."""
+    llm = LLM(tiny_llama_gqa[0], **engine_kwargs(enable_prefix_caching=False))
+    return [_generate(llm, [p])[0] for p in prompts]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # batched, prefix caching on
+        {"enable_prefix_caching": False},
+        {"num_gpu_blocks_override": 12, "max_num_seqs": 4},  # forces preemption
+        {"max_num_batched_tokens": 16, "max_num_seqs": 4},  # forces chunked prefill
+    ],
+    ids=["batched", "no-prefix-cache", "preemption", "chunked-prefill"],
+)
+def test_schedules_do_not_change_greedy_outputs(tiny_llama_gqa, prompts, baseline, overrides):
+    llm = LLM(tiny_llama_gqa[0], **engine_kwargs(**overrides))
+    assert _generate(llm, prompts) == baseline
+    sched = llm.llm_engine.scheduler
+    if "num_gpu_blocks_override" in overrides:
+        assert sched.num_preemptions > 0
+    if overrides == {}:
+        # Requests admitted together cannot hit each other's pages; a second round does.
+        assert _generate(llm, prompts) == baseline
+        assert sched.prefix_cache_stats.hits > 0
+    bm = sched.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks  # every page back in the pool
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama_gqa, prompts):
+    llm = LLM(tiny_llama_gqa[0], **engine_kwargs())
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = _generate(llm, [prompts[0]], seeded)[0]
+    others = [
+        SamplingParams(temperature=t, top_k=k, min_p=m, max_tokens=8, ignore_eos=True)
+        for t, k, m in [(0.0, 0, 0.0), (0.7, 5, 0.0), (1.3, 0, 0.1), (1.0, 0, 0.0)]
+    ]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[1:] + [prompts[0]]], others + [seeded], use_tqdm=False
+    )
+    assert outs[-1].outputs[0].token_ids == alone
+    other_seed = _generate(llm, [prompts[0]], seeded.clone(seed=99))[0]
+    assert other_seed != alone
+
+
+def test_n_samples_differ_and_share_the_prompt(tiny_llama_gqa, prompts):
+    llm = LLM(tiny_llama_gqa[0], **engine_kwargs())
+    out = llm.generate(
+        {"prompt_token_ids": prompts[1]},
+        SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    assert all(np.isfinite(c.cumulative_logprob) and c.cumulative_logprob < 0 for c in out.outputs)
+
+
+def test_stop_strings_and_stop_tokens(tiny_llama_gqa, prompts):
+    llm = LLM(tiny_llama_gqa[0], **engine_kwargs())
+    free = llm.generate({"prompt_token_ids": prompts[0]}, GREEDY, use_tqdm=False)[0].outputs[0]
+    text, ids = free.text, free.token_ids
+    assert text
+    stop_id = ids[4]
+    by_id = llm.generate(
+        {"prompt_token_ids": prompts[0]}, GREEDY.clone(stop_token_ids=[stop_id]), use_tqdm=False
+    )[0].outputs[0]
+    assert by_id.token_ids == ids[: ids.index(stop_id) + 1]
+    assert by_id.finish_reason == "stop" and by_id.stop_reason == stop_id
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    by_str = llm.generate({"prompt_token_ids": prompts[0]}, GREEDY.clone(stop=[stop]), use_tqdm=False)[0]
+    assert by_str.outputs[0].text == text[: text.index(stop)]
+    assert by_str.outputs[0].finish_reason == "stop" and by_str.outputs[0].stop_reason == stop
+    assert (
+        llm.llm_engine.scheduler.block_manager.num_free_blocks
+        == llm.llm_engine.scheduler.block_manager.num_usable_blocks
+    )
+
+
+def test_mixed_workload_compiles_nothing_after_startup(tiny_llama_gqa, prompts):
+    llm = LLM(
+        tiny_llama_gqa[0], **engine_kwargs(enforce_eager=False, max_num_batched_tokens=32, max_num_seqs=4)
+    )
+    runner = llm.llm_engine.runner
+    compiled_at_start = runner.num_compiled
+    assert compiled_at_start == len(runner.buckets.all())
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+            SamplingParams(temperature=0.8, top_p=0.5, max_tokens=9, seed=3, ignore_eos=True),
+            SamplingParams(temperature=1.0, top_k=3, min_p=0.05, max_tokens=3, ignore_eos=True),
+        ]
+        for batch in ([prompts[0]], prompts[:3], prompts, prompts[3:]):
+            llm.generate(
+                [{"prompt_token_ids": p} for p in batch],
+                [params[i % 3] for i in range(len(batch))],
+                use_tqdm=False,
+            )
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    assert runner.num_compiled == compiled_at_start
+
+
+def test_bad_requests_are_refused_without_harm(tiny_llama_gqa, prompts):
+    llm = LLM(tiny_llama_gqa[0], **engine_kwargs())
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": [5] * 300}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="presence_penalty"):
+        llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(presence_penalty=0.5), use_tqdm=False)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate({"prompt_token_ids": [10**6]}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert _generate(llm, [prompts[0]])[0]  # the engine still serves
+
+
+def test_invalid_engine_arguments_name_the_argument(tiny_llama_gqa):
+    from jaxserve.args import EngineArgs
+
+    for kwargs, name in [
+        ({"block_size": 7}, "block_size"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"max_model_len": 10**6}, "max_model_len"),
+        ({"dtype": "int3"}, "dtype"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"no_such_arg": 1}, "no_such_arg"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            LLM(tiny_llama_gqa[0], **{**engine_kwargs(), **kwargs})
+    assert (
+        EngineArgs(model=tiny_llama_gqa[0], max_model_len="0.2k")
+        .create_engine_config()
+        .model_config.max_model_len
+        == 200
+    )
