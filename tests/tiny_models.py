@@ -3,6 +3,9 @@ reference), and engine arguments sized for a 2-core CPU."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 TINY_LLAMA = dict(
     vocab_size=512,
     hidden_size=64,
@@ -81,15 +84,20 @@ def make_llama_checkpoint(path, variant: str = "gqa", dtype: str = "float32", se
     return model
 
 
+# One persistent compilation cache for all tests: engines built on the same tiny model with
+# the same shapes compile once per run instead of once per test.
+TEST_XLA_CACHE = os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache")
+
+
 def engine_kwargs(**overrides):
-    """Engine arguments for tiny models on this CPU: few buckets, small pool, no disk cache."""
+    """Engine arguments for tiny models on this CPU: few buckets, a small pool."""
     kw = dict(
         max_num_batched_tokens=64,
         max_num_seqs=8,
         num_gpu_blocks_override=64,
         block_size=8,
         enforce_eager=True,
-        compilation_config={"cache_dir": ""},
+        compilation_config={"cache_dir": TEST_XLA_CACHE},
         use_tqdm_on_load=False,
     )
     kw.update(overrides)

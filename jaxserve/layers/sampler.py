@@ -1,10 +1,16 @@
 """Token sampling inside the jitted step.
 
 Every per-request setting arrives as a row of an array, so one compiled step serves any
-mix of greedy and random rows, top-k/top-p/min-p values and seeds. The expensive part
-(a sort over the vocabulary for top-k/top-p) runs only when some row asks for it.
-Randomness comes from each row's own key, derived from (seed, step): a seeded request
-samples the same tokens alone or inside any batch.
+mix of greedy and random rows, top-k/top-p/min-p values and seeds. Randomness comes from
+each row's own key, derived from (seed, step): a seeded request samples the same tokens
+alone or inside any batch.
+
+Sampling is exact and avoids the two things that are slow on XLA:CPU, a sort over the
+vocabulary and a random number per vocabulary entry:
+- top-k and top-p thresholds are found by bisection over the float bit patterns (32
+  passes of compare-and-sum, exact), and only when some row asks for them;
+- the categorical draw is two-level: pick a block of the vocabulary by its probability
+  mass, then a token inside it, with two uniforms per row.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+
+_BLOCK = 256  # vocabulary block of the two-level categorical draw
 
 
 @jax.tree_util.register_dataclass
@@ -26,21 +34,44 @@ class SamplingArrays:
     steps: jax.Array  # [num_seqs] int32, index of the token being sampled
 
 
-def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Mask logits outside each row's top-k, then outside the smallest set whose
-    probability (renormalised over the top-k) reaches top-p, as vLLM does."""
+def _sortable(x: jax.Array) -> jax.Array:
+    """int32 keys that order like the float32 values (-inf lowest)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _bisect_max_key(ok, lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """Per row, the largest int32 key t in [lo, hi] with ok(t) true, assuming ok(lo) holds
+    and ok is monotone (true up to some key, false above)."""
+
+    def body(_, bounds):
+        lo, hi = bounds
+        # Ceiling of the mean without int32 overflow: lo < mid <= hi while lo < hi.
+        mid = (lo & hi) + ((lo ^ hi) >> 1) + ((lo ^ hi) & 1)
+        good = ok(mid) | (lo >= hi)
+        return jnp.where(good, jnp.maximum(mid, lo), lo), jnp.where(good, hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, 32, body, (lo, hi))
+    return lo
+
+
+def _top_k_top_p_mask(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Keep each row's top-k logits, then the smallest top set of the renormalised
+    distribution whose mass reaches top-p (vLLM's order). Ties at a threshold are kept."""
     vocab = logits.shape[-1]
-    sorted_desc = -jnp.sort(-logits, axis=-1)  # [num_seqs, vocab]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    ranks = jnp.arange(vocab)[None, :]
-    in_k = ranks < k[:, None]
-    sorted_masked = jnp.where(in_k, sorted_desc, -jnp.inf)
-    probs = jax.nn.softmax(sorted_masked, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # probability mass strictly above each rank
-    keep = in_k & (before < top_p[:, None])
-    keep = keep.at[:, 0].set(True)
-    threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1)  # [num_seqs]
-    return jnp.where(logits >= threshold[:, None], logits, -jnp.inf)
+    keys = _sortable(logits)  # [num_seqs, vocab]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
+    lo, hi = jnp.min(keys, -1, keepdims=True), jnp.max(keys, -1, keepdims=True)
+    kth = _bisect_max_key(lambda t: jnp.sum(keys >= t, -1, keepdims=True) >= k, lo, hi)
+    logits = jnp.where(keys >= kth, logits, -jnp.inf)
+
+    probs = jax.nn.softmax(logits, axis=-1)
+    pkeys = _sortable(probs)
+    p = top_p[:, None]
+    lo, hi = jnp.zeros_like(lo), jnp.max(pkeys, -1, keepdims=True)
+    # Largest probability threshold whose kept mass still reaches top_p.
+    cut = _bisect_max_key(lambda t: jnp.sum(jnp.where(pkeys >= t, probs, 0.0), -1, keepdims=True) >= p, lo, hi)
+    return jnp.where(pkeys >= cut, logits, -jnp.inf)
 
 
 def _apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -49,28 +80,52 @@ def _apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(probs >= cutoff, logits, -jnp.inf)
 
 
+def _first_above(cumsum: jax.Array, x: jax.Array, weights: jax.Array) -> jax.Array:
+    """Index of the first entry whose running sum exceeds x, never one of zero weight."""
+    idx = jnp.sum(cumsum <= x[:, None], axis=-1)
+    positions = jnp.arange(weights.shape[-1])
+    last_nonzero = jnp.max(jnp.where(weights > 0, positions, 0), axis=-1)
+    return jnp.minimum(idx, last_nonzero)
+
+
+def _categorical(logits: jax.Array, uniforms: jax.Array) -> jax.Array:
+    """Exact draw from softmax(logits) per row with two uniforms: a vocabulary block by
+    mass, then a token inside the block."""
+    num_seqs, vocab = logits.shape
+    pad = -vocab % _BLOCK
+    weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    weights = jnp.pad(weights, ((0, 0), (0, pad))).reshape(num_seqs, -1, _BLOCK)
+    block_mass = jnp.sum(weights, axis=-1)  # [num_seqs, num_blocks]
+    cum = jnp.cumsum(block_mass, axis=-1)
+    block = _first_above(cum, uniforms[:, 0] * cum[:, -1], block_mass)
+    inner_w = jnp.take_along_axis(weights, block[:, None, None], axis=1)[:, 0]  # [num_seqs, _BLOCK]
+    inner_cum = jnp.cumsum(inner_w, axis=-1)
+    inner = _first_above(inner_cum, uniforms[:, 1] * inner_cum[:, -1], inner_w)
+    return (block * _BLOCK + inner).astype(jnp.int32)
+
+
 def sample(
     logits: jax.Array,  # [num_seqs, vocab] float32
     params: SamplingArrays,
 ) -> tuple[jax.Array, jax.Array]:  # ([num_seqs] int32 tokens, [num_seqs] float32 logprobs)
     logits = logits.astype(jnp.float32)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = params.temperature == 0.0
 
     def random_tokens() -> jax.Array:
         scaled = logits / jnp.where(is_greedy, 1.0, params.temperature)[:, None]
-        needs_sort = jnp.any(~is_greedy & ((params.top_k > 0) | (params.top_p < 1.0)))
+        needs_k_p = jnp.any(~is_greedy & ((params.top_k > 0) | (params.top_p < 1.0)))
         scaled = jax.lax.cond(
-            needs_sort, _filter_top_k_top_p, lambda x, *_: x, scaled, params.top_k, params.top_p
+            needs_k_p, _top_k_top_p_mask, lambda x, *_: x, scaled, params.top_k, params.top_p
         )
         needs_min_p = jnp.any(~is_greedy & (params.min_p > 0.0))
         scaled = jax.lax.cond(needs_min_p, _apply_min_p, lambda x, _: x, scaled, params.min_p)
-        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(params.seeds, params.steps)
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
-        return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+        uniforms = jax.vmap(
+            lambda s, i: jax.random.uniform(jax.random.fold_in(jax.random.key(s), i), (2,))
+        )(params.seeds, params.steps)
+        return _categorical(scaled, uniforms)
 
     sampled = jax.lax.cond(jnp.all(is_greedy), lambda: greedy_tokens, random_tokens)
     tokens = jnp.where(is_greedy, greedy_tokens, sampled)
-    token_logprobs = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    return tokens, token_logprobs
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen - jax.nn.logsumexp(logits, axis=-1)

@@ -2,8 +2,11 @@
 
 A step is padded to a (num_tokens, num_seqs) bucket. Every bucket is compiled once at
 start-up, so a running server never compiles; fewer buckets mean a faster start, more
-buckets mean less padding. Both lists are powers of two capped by the scheduler limits,
-unless the compilation config names them.
+buckets mean less padding. Token buckets are powers of two up to max_num_batched_tokens.
+By default each token bucket T has one sequence bucket, min(T, max_num_seqs): the rows
+padded that way cost only the LM head and the sampler, a few percent of a step, while a
+second sequence dimension would multiply start-up compilation. The compilation config
+can name both lists, and then every (T, S) pair with S <= T is compiled.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from dataclasses import dataclass
 from jaxserve.config import CompilationConfig, SchedulerConfig
 
 MIN_TOKEN_BUCKET = 16
-MIN_SEQ_BUCKET = 8
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:
@@ -35,19 +37,25 @@ class Buckets:
     def from_config(cls, sched: SchedulerConfig, comp: CompilationConfig) -> Buckets:
         max_tokens, max_seqs = sched.max_num_batched_tokens, sched.max_num_seqs
         tokens = comp.token_buckets or _powers_of_two(min(MIN_TOKEN_BUCKET, max_tokens), max_tokens)
-        seqs = comp.seq_buckets or _powers_of_two(min(MIN_SEQ_BUCKET, max_seqs), max_seqs)
-        tokens, seqs = sorted(set(tokens)), sorted(set(seqs))
+        tokens = sorted(set(tokens))
+        seqs = sorted(set(comp.seq_buckets or {min(t, max_seqs) for t in tokens}))
         if tokens[-1] < max_tokens or seqs[-1] < max_seqs:
             raise ValueError(
                 f"compilation_config buckets must reach max_num_batched_tokens={max_tokens} and "
                 f"max_num_seqs={max_seqs}; got tokens {tokens}, seqs {seqs}."
             )
-        return cls(tuple(tokens), tuple(seqs))
+        return cls(tuple(tokens), tuple(seqs), coupled=not comp.seq_buckets)
+
+    coupled: bool = True  # one sequence bucket per token bucket
 
     def pick(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         t = self.tokens[bisect.bisect_left(self.tokens, num_tokens)]
+        if self.coupled:
+            return t, min(t, self.seqs[-1])
         s = self.seqs[bisect.bisect_left(self.seqs, num_seqs)]
         return t, min(s, t)
 
     def all(self) -> list[tuple[int, int]]:
+        if self.coupled:
+            return [(t, min(t, self.seqs[-1])) for t in self.tokens]
         return sorted({(t, min(s, t)) for t in self.tokens for s in self.seqs})
