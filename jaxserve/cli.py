@@ -1,0 +1,504 @@
+"""The `jaxserve` command line: `jaxserve generate ...` and `jaxserve chat ...`.
+
+Where it sits: at the very front, before `args.py`. It turns a vLLM-style command line (and a
+vLLM-style `--config` YAML file) into `EngineArgs` plus `SamplingParams`, then drives the offline
+`LLM` API. The engine flags are derived from the `EngineArgs` dataclass, so a field added there
+becomes a flag here with no edit; `add_engine_args` / `engine_args_from_namespace` are what a
+server command or a benchmark reuses.
+
+Bad input never ends in a traceback: argparse refuses malformed flags, and any ValueError raised
+while the engine is built or a request is checked becomes one line, `jaxserve: error: ...`, with
+exit code 2 (DESIGN.md, rule 11).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from jaxserve.args import BLOCK_SIZES, DTYPES, LOAD_FORMATS, EngineArgs, parse_model_len
+from jaxserve.sampling_params import SamplingParams
+
+PROG = "jaxserve"
+
+# vLLM's value lists for flags whose choices args.py has no constant for. The full vLLM list is
+# offered so that an existing command line parses; EngineArgs then refuses, by name, the values
+# jaxserve cannot honour yet (rather than argparse calling them "invalid").
+_VLLM_CHOICES: dict[str, Sequence[Any]] = {
+    "dtype": tuple(DTYPES),
+    "load_format": LOAD_FORMATS,
+    "block_size": BLOCK_SIZES,
+    "tokenizer_mode": ("auto", "slow", "mistral", "custom"),
+    "kv_cache_dtype": ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"),
+    "prefix_caching_hash_algo": ("builtin", "sha256"),
+    "scheduling_policy": ("fcfs", "priority"),
+    "preemption_mode": ("recompute", "swap"),
+}
+
+_SHORT_FLAGS = {
+    "tensor_parallel_size": "-tp",
+    "data_parallel_size": "-dp",
+    "pipeline_parallel_size": "-pp",
+    "compilation_config": "-O",
+}
+
+# One line per flag for --help; a field missing here still gets a flag (named after the field).
+_HELP = {
+    "model": "HF repo id (local HF cache only), model directory or .gguf file; unset = the default "
+    "model (SmolLM2-135M-Instruct).",
+    "served_model_name": "Name(s) the model answers to in the API.",
+    "tokenizer": "Tokenizer directory or .gguf file; unset = the model's.",
+    "tokenizer_mode": "Tokenizer implementation.",
+    "revision": "Model revision in the local HF cache.",
+    "tokenizer_revision": "Tokenizer revision in the local HF cache.",
+    "trust_remote_code": "Trust custom code of a HF checkpoint.",
+    "hf_overrides": "JSON object merged into the HF config before the model is built.",
+    "dtype": "Weight and activation dtype; auto = the checkpoint's (float32 on CPU).",
+    "max_model_len": "Context length (prompt + output); accepts 2048, 1k, 1K, 25.6k. Unset = the "
+    "model's max_position_embeddings.",
+    "seed": "Engine random seed.",
+    "load_format": "Weight format; auto picks from the file; dummy = random weights.",
+    "use_tqdm_on_load": "Show a progress bar while loading weights.",
+    "generation_config": "Where to read default sampling settings from.",
+    "override_generation_config": "JSON object overriding the generation config.",
+    "max_logprobs": "Largest logprobs a request may ask for.",
+    "skip_tokenizer_init": "Do not load a tokenizer (token-id prompts only).",
+    "enforce_eager": "Compile shapes lazily on first use instead of precompiling every bucket.",
+    "max_seq_len_to_capture": "Longest context covered by the precompiled buckets.",
+    "compilation_config": 'JSON object: token_buckets, seq_buckets, cache_dir (e.g. \'{"cache_dir": ""}\').',
+    "block_size": "Tokens per KV-cache page; unset = the platform default (16).",
+    "gpu_memory_utilization": "Share of accelerator memory for weights and KV pages.",
+    "num_gpu_blocks_override": "Exact number of KV-cache pages (overrides the memory budget).",
+    "swap_space": "GiB of host memory for preempted KV pages.",
+    "kv_cache_dtype": "KV-cache dtype.",
+    "enable_prefix_caching": "Reuse KV pages of shared prompt prefixes.",
+    "prefix_caching_hash_algo": "Hash used for prefix-cache keys.",
+    "max_num_batched_tokens": "Token budget of one engine step; unset = per platform (2048 CPU, 8192 else).",
+    "max_num_seqs": "Most sequences in one engine step.",
+    "enable_chunked_prefill": "Split long prompts across steps.",
+    "long_prefill_token_threshold": "Prompts longer than this count as long prefills (0 = off).",
+    "scheduling_policy": "fcfs, or priority (lower value first, then arrival).",
+    "preemption_mode": "How a preempted sequence gets its KV pages back.",
+    "tensor_parallel_size": "Devices on the 'model' mesh axis.",
+    "data_parallel_size": "Replicas on the 'data' mesh axis.",
+    "pipeline_parallel_size": "Pipeline stages.",
+}
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, and widens the option column so the long vLLM flag names stay readable."""
+
+    def __init__(self, prog: str, **kwargs: Any):
+        kwargs.setdefault("max_help_position", 40)
+        super().__init__(prog, **kwargs)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the full usage of ~60 flags would bury it)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class CliError(ValueError):
+    """A user mistake found after parsing (a missing prompt, an unreadable file)."""
+
+
+# ---- engine flags ---------------------------------------------------------------------------
+
+
+def _json_object(value: str) -> dict:
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return obj
+
+
+def _model_len(value: str) -> int:
+    try:
+        return parse_model_len(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _flag_kwargs(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
+    """argparse keyword arguments for one EngineArgs field, read off its type annotation."""
+    is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    kinds = set(typing.get_args(hint)) if is_union else {hint}
+    kinds.discard(type(None))
+    origins = {typing.get_origin(k) or k for k in kinds}
+    kw: dict[str, Any] = {"default": f.default, "help": _HELP.get(f.name, f.name.replace("_", " ") + ".")}
+    if kinds == {bool}:
+        # --x/--no-x for every boolean, so that a command line can switch off what a --config set.
+        kw["action"] = argparse.BooleanOptionalAction
+    elif dict in origins:
+        kw["type"] = _json_object
+    elif list in origins:
+        kw["nargs"] = "+"
+    elif f.name == "max_model_len":
+        kw["type"] = _model_len
+    elif int in kinds:
+        kw["type"] = int
+    elif float in kinds:
+        kw["type"] = float
+    else:
+        kw["type"] = str
+    if f.name in _VLLM_CHOICES:
+        kw["choices"] = _VLLM_CHOICES[f.name]
+    return kw
+
+
+def add_engine_args(
+    parser: argparse.ArgumentParser, model_positional: bool = True
+) -> argparse.ArgumentParser:
+    """Add one flag per EngineArgs field (vLLM spelling) plus --config, and the positional MODEL."""
+    if model_positional:
+        parser.add_argument(
+            "model_tag", nargs="?", default=None, metavar="MODEL", help="The model; same as --model."
+        )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.yaml",
+        help="YAML mapping of flag names (underscores or dashes) to values; command-line flags override it.",
+    )
+    group = parser.add_argument_group("engine arguments")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        if f.name == "extra":
+            continue
+        flags = ["--" + f.name.replace("_", "-")]
+        if f.name in _SHORT_FLAGS:
+            flags.append(_SHORT_FLAGS[f.name])
+        group.add_argument(*flags, dest=f.name, **_flag_kwargs(f, hints[f.name]))
+    return parser
+
+
+def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
+    """The EngineArgs a parsed command line asks for; values are checked later, by EngineArgs."""
+    kwargs = {name: getattr(ns, name) for name in EngineArgs.field_names() if hasattr(ns, name)}
+    positional = getattr(ns, "model_tag", None)
+    if positional is not None:
+        if kwargs.get("model") not in (None, positional):
+            raise CliError(
+                f"the model is given twice: positional {positional!r} and --model {kwargs['model']!r}."
+            )
+        kwargs["model"] = positional
+    return EngineArgs(**kwargs)
+
+
+def make_llm(engine_args: EngineArgs):
+    """Build the offline LLM; imported late so that `--help` and flag errors stay instant."""
+    from jaxserve.llm import LLM
+
+    kwargs = {name: getattr(engine_args, name) for name in EngineArgs.field_names()}
+    return LLM(**kwargs)
+
+
+# ---- --config YAML --------------------------------------------------------------------------
+
+
+def _config_argv(path: str, parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> list[str]:
+    """The flags a vLLM --config YAML file stands for, checked against `parser`'s options.
+
+    Scalars are written `--flag=value`, so that a value starting with a dash stays a value.
+    Flags in `skip` are dropped: the command line already gave them in another spelling.
+    """
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as e:
+        raise CliError(f"cannot read --config {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise CliError(f"--config {path} is not valid YAML: {' '.join(str(e).split())}") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise CliError(f"--config {path} must hold a mapping of flag names to values.")
+    actions = {
+        s: a for a in parser._actions for s in a.option_strings if s.startswith("--") and a.dest != "help"
+    }
+    argv: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        action = actions.get(flag)
+        if action is None or flag == "--config":
+            raise CliError(f"--config {path}: unknown key {key!r}.")
+        if value is None or flag in skip:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif action.nargs == 0:  # store_true
+            if value:
+                argv.append(flag)
+        elif isinstance(value, dict):
+            argv.append(f"{flag}={json.dumps(value)}")
+        elif isinstance(value, list) and isinstance(action, argparse._AppendAction):
+            argv += [f"{flag}={item}" for item in value]
+        elif isinstance(value, list):
+            argv += [flag, *(str(v) for v in value)]
+        else:
+            argv.append(f"{flag}={value}")
+    return argv
+
+
+def _normalize_flags(argv: list[str]) -> list[str]:
+    """vLLM also accepts --max_model_len; argparse only knows the dashed spelling."""
+    out = []
+    for i, token in enumerate(argv):
+        if token == "--":  # everything after it is positional
+            return out + argv[i:]
+        if token.startswith("--") and "_" in token.split("=", 1)[0]:
+            name, eq, rest = token.partition("=")
+            token = name.replace("_", "-") + eq + rest
+        out.append(token)
+    return out
+
+
+def _without_config(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token == "--config":
+            skip = True
+        elif not token.startswith("--config="):
+            out.append(token)
+    return out
+
+
+def parse_args(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None = None, command: str | None = None
+) -> argparse.Namespace:
+    """parse_args with vLLM's --config: the YAML's flags go first, so the command line wins.
+
+    `command` names the sub-command whose parser owns the engine flags (None: `parser` itself).
+    The YAML flags are followed by the --config flag itself, so a list-valued flag from the file
+    (nargs="+") can never swallow a positional MODEL written after it.
+    """
+    argv = _normalize_flags(list(sys.argv[1:] if argv is None else argv))
+    ns = parser.parse_args(argv)
+    if getattr(ns, "config", None) is None:
+        return ns
+    command = command or getattr(ns, "command", None)
+    target = parser
+    if command is not None:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        target = sub.choices[command]
+    # A positional MODEL on the command line beats the file's `model:` like any other flag would.
+    skip = frozenset({"--model"}) if getattr(ns, "model_tag", None) is not None else frozenset()
+    try:
+        config_argv = _config_argv(ns.config, target, skip)
+    except CliError as e:
+        target.error(str(e))
+    cli = _without_config(argv)
+    at = cli.index(command) + 1 if command is not None else 0
+    return parser.parse_args(cli[:at] + config_argv + ["--config", ns.config] + cli[at:])
+
+
+# ---- sampling flags -------------------------------------------------------------------------
+
+
+def _add_sampling_args(
+    parser: argparse.ArgumentParser,
+    temperature: float | None = None,
+    with_n: bool = False,
+    max_tokens_help: str = "Most tokens to generate per completion.",
+) -> None:
+    group = parser.add_argument_group("sampling parameters (unset = SamplingParams' default)")
+    if with_n:
+        group.add_argument("--n", type=int, default=None, help="Completions per prompt.")
+    group.add_argument("--temperature", type=float, default=temperature, help="0 = greedy.")
+    group.add_argument("--top-p", type=float, default=None, help="Nucleus sampling mass.")
+    group.add_argument("--top-k", type=int, default=None, help="Keep the k likeliest tokens (0 or -1: all).")
+    group.add_argument("--min-p", type=float, default=None, help="Drop tokens below min_p * top probability.")
+    group.add_argument("--max-tokens", type=int, default=None, help=max_tokens_help)
+    group.add_argument("--min-tokens", type=int, default=None, help="Fewest tokens before EOS/stop can end.")
+    group.add_argument(
+        "--sampling-seed", type=int, default=None, help="Per-request sampling seed (engine seed: --seed)."
+    )
+    group.add_argument("--stop", action="append", default=None, help="Stop string; repeat for several.")
+    group.add_argument("--ignore-eos", action="store_true", help="Keep generating past EOS.")
+
+
+def _sampling_params(ns: argparse.Namespace, base, **extra: Any):
+    """The flags given, on top of the engine's defaults (which may come from generation_config)."""
+    changes = {
+        "temperature": ns.temperature,
+        "top_p": ns.top_p,
+        "top_k": ns.top_k,
+        "min_p": ns.min_p,
+        "max_tokens": ns.max_tokens,
+        "min_tokens": ns.min_tokens,
+        "seed": ns.sampling_seed,
+        "stop": ns.stop,
+        "ignore_eos": ns.ignore_eos or None,
+        **extra,
+    }
+    return base.clone(**{k: v for k, v in changes.items() if v is not None})
+
+
+# ---- sub-commands ---------------------------------------------------------------------------
+
+
+def _read_prompts(ns: argparse.Namespace) -> list[str]:
+    prompts = list(ns.prompt or [])
+    if ns.prompt_file is not None:
+        try:
+            if ns.prompt_file == "-":
+                text = sys.stdin.read()
+            else:
+                with open(ns.prompt_file, encoding="utf-8") as fh:
+                    text = fh.read()
+        except OSError as e:
+            raise CliError(f"cannot read --prompt-file {ns.prompt_file}: {e.strerror or e}") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise CliError("generate needs at least one --prompt or a --prompt-file with prompts.")
+    return prompts
+
+
+def _run_generate(ns: argparse.Namespace) -> int:
+    # Input mistakes first: they should not cost a model load.
+    prompts = _read_prompts(ns)
+    _sampling_params(ns, SamplingParams(), n=ns.n)
+    llm = make_llm(engine_args_from_namespace(ns))
+    params = _sampling_params(ns, llm.get_default_sampling_params(), n=ns.n)
+    show_bar = sys.stderr.isatty()
+    if ns.chat:
+        system = [{"role": "system", "content": ns.system_prompt}] if ns.system_prompt else []
+        conversations = [system + [{"role": "user", "content": p}] for p in prompts]
+        outputs = llm.chat(conversations, params, use_tqdm=show_bar)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=show_bar)
+    for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
+        if len(prompts) > 1:
+            print(f"=== prompt {i + 1}: {prompt!r}")
+        for j, completion in enumerate(out.outputs):
+            if len(out.outputs) > 1:
+                print(f"--- completion {j + 1}")
+            print(completion.text)
+    return 0
+
+
+def _read_line(interactive: bool) -> str | None:
+    if interactive:
+        try:
+            return input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return None
+    line = sys.stdin.readline()
+    return line.rstrip("\n") if line else None
+
+
+def _run_chat(ns: argparse.Namespace) -> int:
+    interactive = sys.stdin.isatty()
+    _sampling_params(ns, SamplingParams())
+    llm = make_llm(engine_args_from_namespace(ns))
+    params = _sampling_params(ns, llm.get_default_sampling_params())
+    if ns.max_tokens is None:  # like `vllm chat` through the server: answer until EOS or the context is full
+        params = params.clone(max_tokens=None)
+    system = [{"role": "system", "content": ns.system_prompt}] if ns.system_prompt else []
+    history = list(system)
+    if interactive:
+        print("Type a message; /clear starts over, /exit (or Ctrl-D) quits.", file=sys.stderr)
+    while (line := _read_line(interactive)) is not None:
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/clear":
+            history = list(system)
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        turn = history + [{"role": "user", "content": line}]
+        try:
+            answer = llm.chat(turn, params, use_tqdm=False)[0].outputs[0].text
+        except ValueError as e:  # e.g. the conversation outgrew max_model_len: say so, keep going
+            print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:
+            print("\n(interrupted)", file=sys.stderr)
+            continue
+        print(answer, flush=True)
+        history = turn + [{"role": "assistant", "content": answer}]
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from jaxserve import __version__
+
+    parser = ArgumentParser(
+        prog=PROG,
+        description="Serve and run LLMs with JAX; vLLM's command line.",
+        formatter_class=_Formatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser(
+        "generate",
+        help="Complete prompts offline and print the completions.",
+        description="Complete each prompt and print one block per prompt.",
+        formatter_class=_Formatter,
+        allow_abbrev=False,
+    )
+    add_engine_args(gen)
+    group = gen.add_argument_group("prompts")
+    group.add_argument("--prompt", action="append", default=None, help="A prompt; repeat for several.")
+    group.add_argument(
+        "--prompt-file", default=None, help="File with one prompt per non-empty line ('-' = stdin)."
+    )
+    group.add_argument("--chat", action="store_true", help="Apply the chat template (LLM.chat).")
+    group.add_argument("--system-prompt", default=None, help="System message for --chat.")
+    _add_sampling_args(gen, with_n=True)
+    gen.set_defaults(func=_run_generate)
+
+    chat = sub.add_parser(
+        "chat",
+        help="Chat with a model in the terminal.",
+        description="Interactive chat: one user message per line; /clear starts over, /exit quits.",
+        formatter_class=_Formatter,
+        allow_abbrev=False,
+    )
+    add_engine_args(chat)
+    chat.add_argument("--system-prompt", default=None, help="System message that opens the conversation.")
+    _add_sampling_args(
+        chat, temperature=0.7, max_tokens_help="Most tokens per answer; unset = until EOS or max_model_len."
+    )
+    chat.set_defaults(func=_run_chat)
+    return parser
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parse_args(parser, argv)
+    try:
+        return ns.func(ns)
+    except ValueError as e:
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
