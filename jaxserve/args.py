@@ -147,9 +147,13 @@ class EngineArgs:
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not supported; choose from {list(allowed)}.")
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not supported; choose from {list(allowed)}."
+                )
         if self.block_size is not None and self.block_size not in BLOCK_SIZES:
-            raise ValueError(f"block_size={self.block_size} is not supported; choose from {list(BLOCK_SIZES)}.")
+            raise ValueError(
+                f"block_size={self.block_size} is not supported; choose from {list(BLOCK_SIZES)}."
+            )
         positive = ("max_num_seqs", "tensor_parallel_size", "max_logprobs", "max_seq_len_to_capture")
         for name in positive + ("max_num_batched_tokens", "num_gpu_blocks_override"):
             value = getattr(self, name)
@@ -204,10 +208,11 @@ class EngineArgs:
         else:
             dtype = DTYPES[self.dtype]
         derived_len = int(hf_config.get("max_position_embeddings") or 2048)
-        max_model_len = parse_model_len(self.max_model_len) or derived_len
-        if max_model_len < 1 or max_model_len > derived_len:
+        requested = parse_model_len(self.max_model_len)
+        max_model_len = derived_len if requested is None else requested
+        if max_model_len < 2 or max_model_len > derived_len:
             raise ValueError(
-                f"max_model_len={max_model_len} must be between 1 and the model's maximum length "
+                f"max_model_len={max_model_len} must be between 2 and the model's maximum length "
                 f"({derived_len}, max_position_embeddings)."
             )
         names = self.served_model_name

@@ -33,7 +33,9 @@ def rope_inv_freq(hf_config: Mapping, head_dim: int, max_model_len: int) -> np.n
     params = rope_parameters(hf_config)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
+        )
     base = float(params["rope_theta"])
     dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
     original_max = int(

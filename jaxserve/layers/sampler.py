@@ -70,7 +70,9 @@ def _top_k_top_p_mask(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     p = top_p[:, None]
     lo, hi = jnp.zeros_like(lo), jnp.max(pkeys, -1, keepdims=True)
     # Largest probability threshold whose kept mass still reaches top_p.
-    cut = _bisect_max_key(lambda t: jnp.sum(jnp.where(pkeys >= t, probs, 0.0), -1, keepdims=True) >= p, lo, hi)
+    cut = _bisect_max_key(
+        lambda t: jnp.sum(jnp.where(pkeys >= t, probs, 0.0), -1, keepdims=True) >= p, lo, hi
+    )
     return jnp.where(pkeys >= cut, logits, -jnp.inf)
 
 
@@ -120,9 +122,9 @@ def sample(
         )
         needs_min_p = jnp.any(~is_greedy & (params.min_p > 0.0))
         scaled = jax.lax.cond(needs_min_p, _apply_min_p, lambda x, _: x, scaled, params.min_p)
-        uniforms = jax.vmap(
-            lambda s, i: jax.random.uniform(jax.random.fold_in(jax.random.key(s), i), (2,))
-        )(params.seeds, params.steps)
+        uniforms = jax.vmap(lambda s, i: jax.random.uniform(jax.random.fold_in(jax.random.key(s), i), (2,)))(
+            params.seeds, params.steps
+        )
         return _categorical(scaled, uniforms)
 
     sampled = jax.lax.cond(jnp.all(is_greedy), lambda: greedy_tokens, random_tokens)

@@ -59,7 +59,9 @@ def load_model(model_config: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, nnx
     weight_map = entry.model_cls.hf_weight_map(args)
     for name, tensor in _checkpoint_tensors(model_config):
         if name not in weight_map:
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and args.tie_word_embeddings):
+            if name.endswith("rotary_emb.inv_freq") or (
+                name == "lm_head.weight" and args.tie_word_embeddings
+            ):
                 continue
             raise ValueError(f"Checkpoint {model_config.model} has an unexpected tensor {name!r}.")
         path, layer, transpose = weight_map[name]

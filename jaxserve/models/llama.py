@@ -144,9 +144,7 @@ class LlamaForCausalLM(nnx.Module):
             v = _linear(h, w, "v").reshape(num_tokens, a.num_kv_heads, a.head_dim)
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
-            attn, kv_pool = paged_attention(
-                q, k, v, kv_pool, index, pages_per_layer, meta, sm_scale=sm_scale
-            )
+            attn, kv_pool = paged_attention(q, k, v, kv_pool, index, pages_per_layer, meta, sm_scale=sm_scale)
             x = x + _linear(attn.reshape(num_tokens, -1), w, "o")
             h = rms_norm(x, w["post_norm"], a.rms_norm_eps)
             x = x + _linear(jax.nn.silu(_linear(h, w, "gate")) * _linear(h, w, "up"), w, "down")

@@ -39,7 +39,9 @@ def prepare(
     seqs = sched.seqs
     n = len(seqs)
     if sched.num_tokens > num_tokens or n > num_seqs:
-        raise ValueError(f"step of {sched.num_tokens} tokens / {n} seqs exceeds bucket ({num_tokens}, {num_seqs})")
+        raise ValueError(
+            f"step of {sched.num_tokens} tokens / {n} seqs exceeds bucket ({num_tokens}, {num_seqs})"
+        )
     q_lens = np.fromiter((s.num_new for s in seqs), np.int32, n)
     starts = np.fromiter((s.start_pos for s in seqs), np.int32, n)
     cu = np.zeros(num_seqs + 1, np.int32)

@@ -39,9 +39,7 @@ class KVCacheSpec:
         return per_page * self.num_layers
 
 
-def num_blocks_for(
-    spec: KVCacheSpec, cache: CacheConfig, weight_bytes: int, max_useful_blocks: int
-) -> int:
+def num_blocks_for(spec: KVCacheSpec, cache: CacheConfig, weight_bytes: int, max_useful_blocks: int) -> int:
     """How many blocks fit: exactly --num-gpu-blocks-override when given; else the share
     of device memory --gpu-memory-utilization allows after weights (on CPU, a fixed host
     budget), capped at what max_num_seqs sequences of max_model_len could ever use."""

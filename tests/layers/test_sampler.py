@@ -72,7 +72,12 @@ def test_greedy_rows_take_the_argmax_and_mix_with_random_rows(logits):
     batch = jnp.tile(jnp.asarray(logits), (4, 1))
     params = rows(4, temperature=1.0)
     params = SamplingArrays(
-        jnp.asarray([0.0, 1.0, 0.0, 1.0]), params.top_k, params.top_p, params.min_p, params.seeds, params.steps
+        jnp.asarray([0.0, 1.0, 0.0, 1.0]),
+        params.top_k,
+        params.top_p,
+        params.min_p,
+        params.seeds,
+        params.steps,
     )
     tokens, _ = jax.jit(sample)(batch, params)
     assert int(tokens[0]) == int(tokens[2]) == int(np.argmax(logits))
@@ -83,5 +88,7 @@ def test_same_seed_and_step_same_token_regardless_of_row(logits):
     tokens, _ = jax.jit(sample)(batch, rows(6, seeds=[7, 1, 2, 7, 7, 3], steps=[0, 0, 0, 0, 1, 0]))
     t = np.asarray(tokens)
     assert t[0] == t[3]
-    draws = jax.jit(sample)(jnp.tile(jnp.asarray(logits), (64, 1)), rows(64, seeds=[7] * 64, steps=range(64)))[0]
+    draws = jax.jit(sample)(
+        jnp.tile(jnp.asarray(logits), (64, 1)), rows(64, seeds=[7] * 64, steps=range(64))
+    )[0]
     assert len(set(np.asarray(draws).tolist())) > 10  # the step changes the draw
