@@ -28,7 +28,7 @@ def paged_attention(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
     k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
     v: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
-    kv_pool: jax.Array,  # [num_layers * pages_per_layer, page_size, 2 * num_kv_heads, head_dim]
+    kv_pool: jax.Array,  # [num_layers * pages_per_layer, 2 * num_kv_heads, page_size, head_dim]
     layer: jax.Array,  # [] int32
     pages_per_layer: int,
     meta: AttentionMetadata,
@@ -38,7 +38,7 @@ def paged_attention(
     soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # ([num_tokens, num_q_heads, head_dim], kv_pool)
     page_offset = layer * pages_per_layer
-    page_size = kv_pool.shape[1]
+    page_size = kv_pool.shape[2]
     kv_pool = write_kv(kv_pool, k, v, meta.slot_mapping + page_offset * page_size)
     out = ragged_paged_attention(
         q,

@@ -124,7 +124,7 @@ class LlamaForCausalLM(nnx.Module):
         self,
         input_ids: jax.Array,  # [num_tokens] int32
         positions: jax.Array,  # [num_tokens] int32
-        kv_pool: jax.Array,  # [num_layers * pages_per_layer, page_size, 2 * num_kv_heads, head_dim]
+        kv_pool: jax.Array,  # [num_layers * pages_per_layer, 2 * num_kv_heads, page_size, head_dim]
         meta: AttentionMetadata,
         logits_indices: jax.Array,  # [num_logits] int32, rows of the batch to compute logits for
     ) -> tuple[jax.Array, jax.Array]:  # ([num_logits, vocab] float32, kv_pool)

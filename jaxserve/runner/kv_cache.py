@@ -21,7 +21,7 @@ from jaxserve.sharding import named_sharding
 
 logger = logging.getLogger(__name__)
 
-KV_POOL_AXES = ("kv_pages", "kv_page_slots", "kv_combined_heads", "head_dim")
+KV_POOL_AXES = ("kv_pages", "kv_combined_heads", "kv_page_slots", "head_dim")
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,8 @@ def num_blocks_for(spec: KVCacheSpec, cache: CacheConfig, weight_bytes: int, max
 
 def allocate_kv_pool(
     spec: KVCacheSpec, num_blocks: int, mesh: Mesh
-) -> jax.Array:  # [num_layers * num_blocks, page_size, 2 * num_kv_heads, head_dim]
-    shape = (spec.num_layers * num_blocks, spec.page_size, 2 * spec.num_kv_heads, spec.head_dim)
+) -> jax.Array:  # [num_layers * num_blocks, 2 * num_kv_heads, page_size, head_dim]
+    shape = (spec.num_layers * num_blocks, 2 * spec.num_kv_heads, spec.page_size, spec.head_dim)
     sharding = named_sharding(mesh, KV_POOL_AXES)
     pool = jax.jit(lambda: jnp.zeros(shape, spec.dtype), out_shardings=sharding)()
     logger.info(

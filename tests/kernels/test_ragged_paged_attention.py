@@ -42,7 +42,7 @@ def build_case(rng, seqs, num_q_heads, num_kv_heads, head_dim, page_size, max_nu
     """seqs: list of (context_len, q_len). Returns inputs and the expected output."""
     pages_per_seq = max(PAGES_PER_SEQ, max(-(-(c + q) // page_size) for c, q in seqs))
     num_pages = 1 + max_num_seqs * pages_per_seq
-    kv_pages = jnp.asarray(rng.normal(size=(num_pages, page_size, 2 * num_kv_heads, head_dim)), jnp.float32)
+    kv_pages = jnp.asarray(rng.normal(size=(num_pages, 2 * num_kv_heads, page_size, head_dim)), jnp.float32)
     perm = rng.permutation(np.arange(1, num_pages))  # pages scattered through the pool
     page_indices = np.zeros((max_num_seqs, pages_per_seq), np.int32)
     num_tokens = NUM_TOKENS
@@ -66,7 +66,7 @@ def build_case(rng, seqs, num_q_heads, num_kv_heads, head_dim, page_size, max_nu
     slot_mapping = jnp.asarray(np.concatenate(slots + [np.full(pad_tokens, pad_slot)]).astype(np.int32))
     kv_pages = write_kv(kv_pages, k_new, v_new, slot_mapping)
 
-    pool = np.asarray(kv_pages).reshape(num_pages * page_size, num_kv_heads, 2, head_dim)
+    pool = token_major(kv_pages)
     expected = np.zeros_like(q)
     sm_scale = head_dim**-0.5
     for i, (ctx, ql) in enumerate(seqs):
@@ -76,6 +76,12 @@ def build_case(rng, seqs, num_q_heads, num_kv_heads, head_dim, page_size, max_nu
         expected[cu[i] : cu[i + 1]] = dense_attention(q[cu[i] : cu[i + 1]], k, v, ctx, sm_scale)
     inputs = (jnp.asarray(q), kv_pages, jnp.asarray(kv_lens), jnp.asarray(page_indices), jnp.asarray(cu))
     return inputs, jnp.asarray([len(seqs)], jnp.int32), expected, sm_scale
+
+
+def token_major(kv_pages):
+    """[pages, 2 * heads, page, d] -> [pages * page, heads, 2 (k|v), d]."""
+    pages, combined, page_size, d = kv_pages.shape
+    return np.asarray(kv_pages).transpose(0, 2, 1, 3).reshape(pages * page_size, combined // 2, 2, d)
 
 
 def _lengths(page):
@@ -122,7 +128,7 @@ def test_sliding_window_and_soft_cap(window, cap):
             q, kv, kv_lens, pages, cu, num_seqs, sm_scale=scale, sliding_window=window, soft_cap=cap
         )
     )
-    pool = np.asarray(kv).reshape(-1, 2, 2, 64)
+    pool = token_major(kv)
     cu_np, pages_np = np.asarray(cu), np.asarray(pages)
     for i, (ctx, ql) in enumerate(seqs):
         pos = np.arange(ctx + ql)
@@ -140,11 +146,11 @@ def test_sliding_window_and_soft_cap(window, cap):
 
 
 def test_write_kv_interleaves_and_drops_padding():
-    pages = jnp.zeros((3, 4, 4, 8))
+    pages = jnp.zeros((3, 4, 4, 8))  # 3 pages, 2 kv heads, page_size 4, head_dim 8
     k = jnp.arange(2 * 2 * 8, dtype=jnp.float32).reshape(2, 2, 8) + 1
     v = -k
     out = np.asarray(write_kv(pages, k, v, jnp.asarray([5, 12], jnp.int32)))  # 12 = past the pool
-    np.testing.assert_array_equal(out[1, 1, 0::2], np.asarray(k[0]))
-    np.testing.assert_array_equal(out[1, 1, 1::2], np.asarray(v[0]))
+    np.testing.assert_array_equal(out[1, 0::2, 1], np.asarray(k[0]))  # page 1, slot 1
+    np.testing.assert_array_equal(out[1, 1::2, 1], np.asarray(v[0]))
     assert np.count_nonzero(out) == np.count_nonzero(np.asarray(k[0])) * 2
     assert list(itertools.chain(out.shape)) == [3, 4, 4, 8]
