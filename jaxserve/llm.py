@@ -25,7 +25,8 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        return SamplingParams()
+        """vLLM's defaults, overlaid with the model's generation config (--generation-config)."""
+        return SamplingParams(**self.llm_engine.sampling_defaults)
 
     def generate(
         self,

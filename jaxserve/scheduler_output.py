@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# Most token ids one row can have masked; requests needing more are refused up front.
+MAX_BANNED_TOKENS = 16
+
 
 @dataclass(frozen=True)
 class SamplingRow:
@@ -23,6 +26,7 @@ class SamplingRow:
     min_p: float
     seed: int  # the request's effective seed
     step: int  # index of the token being sampled (output tokens so far); folded into the key
+    banned_token_ids: tuple[int, ...] = ()  # masked out (eos and stop ids before min_tokens)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
+from flax import nnx
+
+from jaxserve.runner import batch as batch_lib
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.scheduler_output import SamplingRow, ScheduledSeq, SchedulerOutput
 
 # transformers' top-2 logit gap under which float noise may flip a greedy choice.
 NEAR_TIE = 1e-3
@@ -31,3 +37,44 @@ def check_greedy(torch_model, prompt: list[int], generated: list[int]) -> tuple[
         )
         compared += 1
     return compared, len(generated)
+
+
+GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, step=0)
+
+
+def prompt_logits(runner: ModelRunner, token_ids: list[int]) -> np.ndarray:
+    """Run the model over one prompt through the runner's own batch layout and paged KV
+    pool, asking for logits at every position."""
+    n = len(token_ids)
+    pages = tuple(range(1, 1 + -(-n // runner.page_size)))
+    sched = SchedulerOutput((ScheduledSeq("r", tuple(token_ids), 0, pages, GREEDY),))
+    inputs = batch_lib.prepare(sched, n, 1, runner.page_size, runner.pages_per_seq, runner.pad_slot)
+    inputs = batch_lib.BatchInputs(
+        inputs.input_ids, inputs.positions, inputs.meta, np.arange(n, dtype=np.int32), inputs.sampling
+    )
+    inputs = jax.device_put(inputs)
+    model = nnx.merge(runner.graphdef, runner.state)
+    logits, _ = model(inputs.input_ids, inputs.positions, runner.kv_pool, inputs.meta, inputs.logits_indices)
+    return np.asarray(logits)
+
+
+def assert_greedy_generation_matches(
+    llm, torch_model, prompts: list[list[int]], max_tokens: int = 32
+) -> None:
+    """Greedy-generate a batch of prompts together and check every token against
+    transformers; most steps must be compared (not skipped as near ties)."""
+    from jaxserve import SamplingParams
+
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        use_tqdm=False,
+    )
+    compared = total = 0
+    for prompt, out in zip(prompts, outs):
+        assert out.prompt_token_ids == prompt
+        completion = out.outputs[0]
+        assert len(completion.token_ids) == max_tokens and completion.finish_reason == "length"
+        c, t = check_greedy(torch_model, prompt, completion.token_ids)
+        compared, total = compared + c, total + t
+    assert compared >= 0.9 * total, f"only {compared} of {total} steps compared"

@@ -21,9 +21,11 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
+from jaxserve.loader.generation_config import read_generation_config, sampling_defaults
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams, check_supported
+from jaxserve.scheduler_output import MAX_BANNED_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,9 @@ class LLMEngine:
         self._child_to_parent: dict[str, str] = {}
         self._seed_rng = np.random.default_rng(config.model_config.seed)
         self._counter = itertools.count()
+        mc = config.model_config
+        self.generation_config = read_generation_config(mc.model, mc.generation_config)
+        self.sampling_defaults = sampling_defaults(self.generation_config, mc.override_generation_config)
         self.eos_token_id, self.extra_eos_ids = self._eos_ids()
 
     @classmethod
@@ -71,8 +76,12 @@ class LLMEngine:
         return cls(engine_args.create_engine_config())
 
     def _eos_ids(self) -> tuple[int | None, set[int]]:
-        eos = self.config.model_config.get("eos_token_id")
-        ids = list(eos) if isinstance(eos, list) else ([] if eos is None else [eos])
+        """The tokenizer's eos, plus any other end-of-sequence ids the model or its
+        generation config name (Llama 3 lists several), which stop like stop_token_ids."""
+        ids = []
+        for source in (self.config.model_config.hf_config, self.generation_config):
+            eos = source.get("eos_token_id")
+            ids += list(eos) if isinstance(eos, list) else ([] if eos is None else [eos])
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         primary = tok_eos if tok_eos is not None else (ids[0] if ids else None)
         return primary, {i for i in ids if i != primary}
@@ -118,6 +127,10 @@ class LLMEngine:
             raise ValueError(
                 f"The prompt has {len(token_ids)} tokens; max_model_len is {max_len}, which leaves no room "
                 "to generate."
+            )
+        if params.min_tokens and len(set(params.stop_token_ids) | self.extra_eos_ids) + 1 > MAX_BANNED_TOKENS:
+            raise ValueError(
+                f"min_tokens with more than {MAX_BANNED_TOKENS - 1} stop_token_ids is not supported."
             )
         room = max_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)

@@ -297,4 +297,16 @@ def _sampling_row(req: Request) -> SamplingRow:
         min_p=p.min_p,
         seed=req.seed,
         step=req.num_output_tokens,
+        banned_token_ids=_banned_until_min_tokens(req),
     )
+
+
+def _banned_until_min_tokens(req: Request) -> tuple[int, ...]:
+    """Tokens that would end the request early: masked while min_tokens is not reached."""
+    p = req.sampling_params
+    if req.num_output_tokens >= p.min_tokens:
+        return ()
+    banned = set(p.stop_token_ids)
+    if req.eos_token_id is not None and not p.ignore_eos:
+        banned.add(req.eos_token_id)
+    return tuple(sorted(banned))

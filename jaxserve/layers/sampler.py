@@ -32,6 +32,7 @@ class SamplingArrays:
     min_p: jax.Array  # [num_seqs] float32, 0 = off
     seeds: jax.Array  # [num_seqs] uint32
     steps: jax.Array  # [num_seqs] int32, index of the token being sampled
+    banned: jax.Array  # [num_seqs, MAX_BANNED_TOKENS] int32 token ids to mask, -1 = none
 
 
 def _sortable(x: jax.Array) -> jax.Array:
@@ -111,6 +112,10 @@ def sample(
     params: SamplingArrays,
 ) -> tuple[jax.Array, jax.Array]:  # ([num_seqs] int32 tokens, [num_seqs] float32 logprobs)
     logits = logits.astype(jnp.float32)
+    raw_logits = logits
+    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], params.banned.shape)
+    banned = jnp.where(params.banned >= 0, params.banned, logits.shape[1])  # -1 -> dropped
+    logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = params.temperature == 0.0
 
@@ -129,5 +134,5 @@ def sample(
 
     sampled = jax.lax.cond(jnp.all(is_greedy), lambda: greedy_tokens, random_tokens)
     tokens = jnp.where(is_greedy, greedy_tokens, sampled)
-    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
-    return tokens, chosen - jax.nn.logsumexp(logits, axis=-1)
+    chosen = jnp.take_along_axis(raw_logits, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen - jax.nn.logsumexp(raw_logits, axis=-1)

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.layers.sampler import SamplingArrays
-from jaxserve.scheduler_output import SchedulerOutput
+from jaxserve.scheduler_output import MAX_BANNED_TOKENS, SchedulerOutput
 
 
 @jax.tree_util.register_dataclass
@@ -73,11 +73,13 @@ def prepare(
     min_p = np.zeros(num_seqs, np.float32)
     seeds = np.zeros(num_seqs, np.uint32)
     steps = np.zeros(num_seqs, np.int32)
+    banned = np.full((num_seqs, MAX_BANNED_TOKENS), -1, np.int32)
     for i, s in enumerate(seqs):
         r = s.sampling
         if r is not None:
             temperature[i], top_k[i], top_p[i], min_p[i] = r.temperature, r.top_k, r.top_p, r.min_p
             seeds[i], steps[i] = r.seed & 0xFFFFFFFF, r.step
+            banned[i, : len(r.banned_token_ids)] = r.banned_token_ids
 
     return BatchInputs(
         input_ids=input_ids,
@@ -91,6 +93,12 @@ def prepare(
         ),
         logits_indices=logits_indices,
         sampling=SamplingArrays(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds, steps=steps
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seeds=seeds,
+            steps=steps,
+            banned=banned,
         ),
     )

@@ -86,8 +86,12 @@ def _attend_chunks(
         m, l_sum, acc = carry
         chunk_ids = jax.lax.dynamic_slice_in_dim(pages, c * chunk_pages, chunk_pages, axis=1)
         k_tiles = chunk_ids[:, None, :] * combined + heads  # [units, num_kv_heads, chunk_pages]
-        k = tiles[k_tiles].reshape(units, num_kv_heads, chunk, head_dim).astype(jnp.float32)
-        v = tiles[k_tiles + 1].reshape(units, num_kv_heads, chunk, head_dim).astype(jnp.float32)
+        # Page ids are always valid (padding points at page 0): skipping the bounds clamp
+        # halves the cost of the gather on XLA:CPU.
+        k = tiles.at[k_tiles].get(mode="promise_in_bounds")
+        v = tiles.at[k_tiles + 1].get(mode="promise_in_bounds")
+        k = k.reshape(units, num_kv_heads, chunk, head_dim).astype(jnp.float32)
+        v = v.reshape(units, num_kv_heads, chunk, head_dim).astype(jnp.float32)
         # Keys as the left operand: XLA:CPU runs this batched product twice as fast as q @ k.T.
         s = jax.lax.dot_general(k, q, (((3,), (3,)), batch))  # [units, num_kv_heads, chunk, rows]
         if soft_cap is not None:

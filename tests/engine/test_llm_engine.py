@@ -108,6 +108,17 @@ def test_stop_strings_and_stop_tokens(tiny_llama_gqa, prompts):
     )
 
 
+def test_min_tokens_masks_stop_tokens(tiny_llama_gqa, prompts):
+    llm = LLM(tiny_llama_gqa[0], **engine_kwargs())
+    free = _generate(llm, [prompts[2]])[0]
+    stop_id = free[0]
+    params = GREEDY.clone(stop_token_ids=[stop_id], min_tokens=4, max_tokens=12)
+    out = llm.generate({"prompt_token_ids": prompts[2]}, params, use_tqdm=False)[0].outputs[0]
+    assert stop_id not in out.token_ids[:4]
+    assert len(out.token_ids) >= 4
+    assert out.finish_reason == "length" or out.token_ids[-1] == stop_id
+
+
 def test_mixed_workload_compiles_nothing_after_startup(tiny_llama_gqa, prompts):
     llm = LLM(
         tiny_llama_gqa[0], **engine_kwargs(enforce_eager=False, max_num_batched_tokens=32, max_num_seqs=4)
@@ -173,3 +184,22 @@ def test_invalid_engine_arguments_name_the_argument(tiny_llama_gqa):
         .model_config.max_model_len
         == 200
     )
+
+
+def test_generation_config_sets_request_defaults(tmp_path):
+    import json
+
+    from tiny_models import make_llama_checkpoint
+
+    make_llama_checkpoint(tmp_path, "gqa")
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    gen.update({"temperature": 0.3, "top_k": 7, "max_new_tokens": 5, "eos_token_id": [2, 9]})
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(str(tmp_path), **engine_kwargs(override_generation_config={"top_k": 3}))
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.3, 3, 5)
+    assert llm.llm_engine.extra_eos_ids == {9}
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) <= 5
+    plain = LLM(str(tmp_path), **engine_kwargs(generation_config="vllm")).get_default_sampling_params()
+    assert (plain.temperature, plain.top_k, plain.max_tokens) == (1.0, 0, 16)

@@ -3,18 +3,21 @@ what top-k / top-p / min-p allow, and the empirical distribution must match."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.layers.sampler import SamplingArrays, sample
+from jaxserve.scheduler_output import MAX_BANNED_TOKENS
 
 VOCAB = 300
 N = 20000
 
 
-def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, steps=None):
+def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, steps=None, banned=None):
     return SamplingArrays(
         temperature=jnp.full(n, temperature, jnp.float32),
         top_k=jnp.full(n, top_k, jnp.int32),
@@ -22,6 +25,7 @@ def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, steps=No
         min_p=jnp.full(n, min_p, jnp.float32),
         seeds=jnp.arange(n, dtype=jnp.uint32) if seeds is None else jnp.asarray(seeds, jnp.uint32),
         steps=jnp.zeros(n, jnp.int32) if steps is None else jnp.asarray(steps, jnp.int32),
+        banned=jnp.full((n, MAX_BANNED_TOKENS), -1, jnp.int32) if banned is None else jnp.asarray(banned),
     )
 
 
@@ -70,15 +74,7 @@ def test_distribution_matches_definition(logits, temperature, top_k, top_p, min_
 
 def test_greedy_rows_take_the_argmax_and_mix_with_random_rows(logits):
     batch = jnp.tile(jnp.asarray(logits), (4, 1))
-    params = rows(4, temperature=1.0)
-    params = SamplingArrays(
-        jnp.asarray([0.0, 1.0, 0.0, 1.0]),
-        params.top_k,
-        params.top_p,
-        params.min_p,
-        params.seeds,
-        params.steps,
-    )
+    params = dataclasses.replace(rows(4), temperature=jnp.asarray([0.0, 1.0, 0.0, 1.0]))
     tokens, _ = jax.jit(sample)(batch, params)
     assert int(tokens[0]) == int(tokens[2]) == int(np.argmax(logits))
 
@@ -92,3 +88,19 @@ def test_same_seed_and_step_same_token_regardless_of_row(logits):
         jnp.tile(jnp.asarray(logits), (64, 1)), rows(64, seeds=[7] * 64, steps=range(64))
     )[0]
     assert len(set(np.asarray(draws).tolist())) > 10  # the step changes the draw
+
+
+def test_banned_tokens_are_never_sampled_but_logprobs_stay_raw(logits):
+    top = np.argsort(-logits)[:3].tolist()
+    banned = np.full((2000, MAX_BANNED_TOKENS), -1, np.int32)
+    banned[:, :3] = top
+    batch = jnp.tile(jnp.asarray(logits), (2000, 1))
+    params = dataclasses.replace(
+        rows(2000, banned=banned), temperature=jnp.where(jnp.arange(2000) < 2, 0.0, 1.0)
+    )
+    tokens, logprobs = jax.jit(sample)(batch, params)
+    tokens = np.asarray(tokens)
+    assert not set(tokens.tolist()) & set(top)
+    assert tokens[0] == np.argsort(-logits)[3]  # greedy takes the best allowed token
+    raw = logits - np.log(np.exp(logits.astype(np.float64)).sum())
+    np.testing.assert_allclose(np.asarray(logprobs), raw[tokens], atol=1e-5)

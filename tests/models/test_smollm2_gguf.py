@@ -1,0 +1,72 @@
+"""The real default model: SmolLM2-135M-Instruct from its GGUF file, against transformers'
+own GGUF loader on the same file (float32)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from reference_checks import assert_greedy_generation_matches, prompt_logits, teacher_forced_logits
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.loader.default_model import default_model_path
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=256, use_tqdm_on_load=False)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    tok = llm.get_tokenizer()
+    texts = [
+        "The quick brown fox",
+        "Water boils at a temperature of",
+        "def fibonacci(n):\n    ",
+        "In 1969, the first humans landed on",
+    ]
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Name three primary colors."}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    return [tok.encode(t) for t in texts + [chat]]
+
+
+def test_logits_match_transformers(llm, hf_model, prompts):
+    runner = llm.llm_engine.runner
+    for ids in prompts:
+        ours = prompt_logits(runner, ids)
+        ref = teacher_forced_logits(hf_model, ids)
+        # 30 float32 layers accumulate in different orders in XLA and torch; logits here
+        # span about +-30, so 1e-4 relative to that scale is the float32 noise floor.
+        scale = np.abs(ref).max()
+        np.testing.assert_allclose(ours, ref, atol=1e-4 * scale, rtol=0)
+
+
+def test_greedy_tokens_match_transformers(llm, hf_model, prompts):
+    assert_greedy_generation_matches(llm, hf_model, prompts)
+
+
+def test_chat_answers_paris(llm):
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=32),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"
