@@ -6,9 +6,16 @@ same words. Nothing mutates a config after it is built; every component reads it
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+
+def jaxserve_cache_dir(*parts: str) -> str:
+    """Where jaxserve keeps what it can rebuild: $XDG_CACHE_HOME/jaxserve (~/.cache/jaxserve)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxserve", *parts)
 
 
 @dataclass(frozen=True)

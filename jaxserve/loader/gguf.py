@@ -12,6 +12,7 @@ serving dtype like any other checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import tempfile
@@ -23,6 +24,8 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 from gguf.quants import dequantize
 from tqdm import tqdm
+
+from jaxserve.config import jaxserve_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +114,36 @@ def load_gguf_tokenizer(path: str):
     - the class is asked for directly: AutoTokenizer first parses the whole file again for a model
       config it uses only to pick that class (~9 s on SmolLM2, against <1 s here).
     """
+    from transformers import PreTrainedTokenizerFast
+
+    # Converting the metadata takes seconds; a converted copy keyed by the file's identity
+    # (absolute path, size, modification time) loads in a fraction of that.
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such GGUF file")
+    stat = os.stat(path)
+    where = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
+    key = f"{os.path.basename(path)}-{stat.st_size}-{stat.st_mtime_ns}-{where}"
+    cached = jaxserve_cache_dir("tokenizers", key)
+    if os.path.isdir(cached):
+        try:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(cached)
+            tokenizer.name_or_path = os.path.dirname(os.path.abspath(path))
+            return tokenizer
+        except Exception:  # a damaged cache entry is rebuilt below
+            logger.warning("Rebuilding the cached tokenizer of %s", path)
+    tokenizer = _convert_gguf_tokenizer(path)
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(cached)) as tmp:
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, cached)
+            os.makedirs(tmp)  # TemporaryDirectory removes its path on exit
+    except OSError as err:  # a read-only cache only costs time
+        logger.warning("Could not cache the tokenizer of %s: %s", path, err)
+    return tokenizer
+
+
+def _convert_gguf_tokenizer(path: str):
     reader = _open(path)
     if "tokenizer.ggml.tokens" not in reader.fields:
         raise ValueError(f"{path}: has no tokenizer in its metadata (no tokenizer.ggml.tokens)")

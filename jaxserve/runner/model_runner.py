@@ -10,7 +10,6 @@ device->host copy.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import jax
@@ -20,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, jaxserve_cache_dir
 from jaxserve.layers.sampler import sample
 from jaxserve.loader.model_loader import build_model_args, load_model
 from jaxserve.runner import batch as batch_lib
@@ -32,16 +31,11 @@ from jaxserve.sharding import make_mesh
 logger = logging.getLogger(__name__)
 
 
-def default_compilation_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxserve", "xla")
-
-
 def enable_compilation_cache(cache_dir: str | None) -> None:
     """JAX's persistent compilation cache: a second start-up reads compiled steps from disk."""
     if cache_dir == "":
         return
-    jax.config.update("jax_compilation_cache_dir", cache_dir or default_compilation_cache_dir())
+    jax.config.update("jax_compilation_cache_dir", cache_dir or jaxserve_cache_dir("xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -39,3 +39,20 @@ def test_missing_path_is_named(tmp_path, name):
     path = str(tmp_path / name)
     with pytest.raises(ValueError, match=name):
         get_tokenizer(path)
+
+
+def test_gguf_tokenizer_is_cached_and_identical(default_gguf, tmp_path, monkeypatch):
+    from jaxserve.loader.gguf import load_gguf_tokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    fresh = load_gguf_tokenizer(default_gguf)
+    entries = list((tmp_path / "jaxserve" / "tokenizers").iterdir())
+    assert len(entries) == 1
+    cached = load_gguf_tokenizer(default_gguf)
+    text = "Hello world, café 日本 🙂 <|im_start|>user"
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert cached.encode(text) == fresh.encode(text)
+    assert cached.apply_chat_template(messages, tokenize=False) == fresh.apply_chat_template(
+        messages, tokenize=False
+    )
+    assert (cached.eos_token_id, cached.bos_token_id) == (fresh.eos_token_id, fresh.bos_token_id)
