@@ -27,8 +27,8 @@ freely. Rows past cu_q_lens[num_seqs] are padding: their output is zero.
 ## How the reference stays fast on CPU
 
 Two passes, each reading every needed key page once per unit of work:
-- decode rows (sequences with one new token): one row per sequence, gathering that
-  sequence's pages chunk by chunk;
+- decode rows (sequences with one new token): one row per sequence, DECODE_GROUP
+  sequences at a time, gathering each sequence's pages chunk by chunk;
 - prefill rows: the new tokens of each longer sequence are cut into query blocks of
   BLOCK_Q rows; a block gathers its sequence's pages once for all its rows and stops at
   the last key its rows can see (causality), so prefill costs matmuls, not gathers.
@@ -44,6 +44,7 @@ import jax.numpy as jnp
 KV_CHUNK_TOKENS = 128  # keys per online-softmax step
 BLOCK_Q = 64  # query rows per prefill block
 BLOCKS_PER_STEP = 4  # prefill blocks handled together in one loop iteration
+DECODE_GROUP = 32  # decode sequences handled together in one loop iteration
 
 
 def write_kv(
@@ -145,14 +146,27 @@ def ragged_paged_attention(
     qg = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, head_dim)
     out = jnp.zeros((num_tokens + 1, num_kv_heads, group, head_dim), jnp.float32)  # last row: sink
 
-    # Decode rows: one unit per sequence with a single new token.
+    # Decode rows: one unit per sequence with a single new token, compacted to the front
+    # and visited DECODE_GROUP at a time, so the cost follows the decodes actually present
+    # (a mostly-prefill step with a few decodes pays for a few).
     is_decode = q_lens == 1
-    dec_rows = jnp.where(is_decode, cu_q_lens[:-1], num_tokens)  # [max_num_seqs]
-    dec_q = jnp.take(qg, dec_rows, axis=0, mode="fill", fill_value=0)  # [seqs, kv_heads, group, d]
-    dec_pos = jnp.repeat(jnp.where(is_decode, kv_lens - 1, -1)[:, None], group, axis=1)
-    dec_chunks = (jnp.max(jnp.where(is_decode, kv_lens, 0)) + chunk - 1) // chunk
-    dec_out = attend(dec_q, dec_pos, page_indices, kv_pages, dec_chunks)
-    out = out.at[dec_rows].set(dec_out)
+    group_size = min(DECODE_GROUP, max_num_seqs)
+    num_groups_padded = -(-max_num_seqs // group_size)
+    dec_ids = jnp.nonzero(is_decode, size=num_groups_padded * group_size, fill_value=max_num_seqs)[0]
+
+    def decode_group(i, out):
+        ids = jax.lax.dynamic_slice_in_dim(dec_ids, i * group_size, group_size)
+        valid = ids < max_num_seqs
+        seq = jnp.where(valid, ids, 0)
+        rows = jnp.where(valid, cu_q_lens[seq], num_tokens)
+        dec_q = jnp.take(qg, rows, axis=0, mode="fill", fill_value=0)  # [group, kv_heads, q_per_kv, d]
+        lens = jnp.where(valid, kv_lens[seq], 0)
+        dec_pos = jnp.repeat((lens - 1)[:, None], group, axis=1)
+        n_chunks = (jnp.max(lens) + chunk - 1) // chunk
+        return out.at[rows].set(attend(dec_q, dec_pos, page_indices[seq], kv_pages, n_chunks))
+
+    num_decode_groups = (jnp.sum(is_decode) + group_size - 1) // group_size
+    out = jax.lax.fori_loop(0, num_decode_groups, decode_group, out)
 
     # Prefill rows: query blocks of BLOCK_Q rows, each within one sequence.
     blocks = jnp.where(q_lens > 1, (q_lens + BLOCK_Q - 1) // BLOCK_Q, 0)  # [max_num_seqs]

@@ -154,3 +154,14 @@ def test_write_kv_interleaves_and_drops_padding():
     np.testing.assert_array_equal(out[1, 1::2, 1], np.asarray(v[0]))
     assert np.count_nonzero(out) == np.count_nonzero(np.asarray(k[0])) * 2
     assert list(itertools.chain(out.shape)) == [3, 4, 4, 8]
+
+
+@pytest.mark.parametrize("mix", ["decode", "mixed"])
+def test_decodes_spread_over_several_groups(monkeypatch, mix):
+    import pallas_kernels.ragged_paged_attention.reference as reference
+
+    monkeypatch.setattr(reference, "DECODE_GROUP", 2)  # 5 sequences -> 3 decode groups
+    rng = np.random.default_rng(3)
+    (q, kv, kv_lens, pages, cu), num_seqs, expected, scale = build_case(rng, MIXES[mix](16), 8, 2, 64, 16, 8)
+    out = reference.ragged_paged_attention(q, kv, kv_lens, pages, cu, num_seqs, sm_scale=scale)
+    np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=1e-5)

@@ -53,9 +53,9 @@ def test_logits_match_transformers(llm, hf_model, prompts):
         ours = prompt_logits(runner, ids)
         ref = teacher_forced_logits(hf_model, ids)
         # 30 float32 layers accumulate in different orders in XLA and torch; logits here
-        # span about +-30, so 1e-4 relative to that scale is the float32 noise floor.
+        # span about +-30 and differ by up to ~2e-4 (measured), ~6e-6 of that scale.
         scale = np.abs(ref).max()
-        np.testing.assert_allclose(ours, ref, atol=1e-4 * scale, rtol=0)
+        np.testing.assert_allclose(ours, ref, atol=2e-5 * scale, rtol=0)
 
 
 def test_greedy_tokens_match_transformers(llm, hf_model, prompts):
