@@ -8,7 +8,7 @@ into arrays so that any mix of settings in one batch runs the same compiled step
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Below this temperature a request is treated as greedy, as vLLM does.
 _GREEDY_EPS = 1e-5
@@ -40,8 +40,6 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    # Filled in by the engine from the tokenizer / generation config; not user-facing.
-    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,7 +56,6 @@ class SamplingParams:
             # Greedy: the other knobs no longer matter; normalise them so rows compare equal.
             self.temperature = 0.0
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-        self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
         def bad(name: str, why: str) -> ValueError:

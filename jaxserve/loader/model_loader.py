@@ -46,13 +46,11 @@ def load_model(model_config: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, nnx
     def create():
         return entry.model_cls(args, dtype=dtype, rngs=nnx.Rngs(seed))
 
+    graphdef, abstract = nnx.split(nnx.eval_shape(create))
     if model_config.load_format == "dummy":
-        graphdef, state = nnx.split(nnx.eval_shape(create))
-        shardings = state_shardings(state, mesh)
-        init = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)
+        init = jax.jit(lambda: nnx.split(create())[1], out_shardings=state_shardings(abstract, mesh))
         return graphdef, init()
 
-    graphdef, abstract = nnx.split(nnx.eval_shape(create))
     flat = dict(nnx.to_flat_state(abstract))
     buffers: dict[str, np.ndarray] = {}
     filled: dict[str, set] = {}
