@@ -29,3 +29,4 @@ class RequestOutput:
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    error: str | None = None  # set when the engine failed while running the request

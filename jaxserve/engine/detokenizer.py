@@ -121,11 +121,17 @@ class IncrementalDetokenizer:
         index, stop = best
         return stop, index + len(stop) if self.include_stop_str_in_output else index
 
-    def get_delta(self, finished: bool) -> str:
-        """Text to stream since the last call. While the request runs, the last
+    def stream_text(self, finished: bool) -> str:
+        """The output text that is safe to show: while the request runs, the last
         stop_buffer_length characters are held back (they may be the start of a stop
-        string); once finished, everything left is released."""
-        end = len(self._text) if finished else len(self._text) - self.stop_buffer_length
+        string); once finished, everything."""
+        if finished or not self.stop_buffer_length:
+            return self._text
+        return self._text[: max(len(self._text) - self.stop_buffer_length, 0)]
+
+    def get_delta(self, finished: bool) -> str:
+        """Text to stream since the last call (see stream_text)."""
+        end = len(self.stream_text(finished))
         start = self._last_delta_offset
         if end <= start:
             return ""

@@ -5,12 +5,17 @@
 The engine owns the tokenizer and the per-request detokenizers; the scheduler owns the
 requests; the runner owns everything on the device. A request with n > 1 runs as n child
 sequences that share the prompt (and, through the prefix cache, its pages).
+
+Adding a request is two halves so that a server can validate and tokenize on its own
+thread: make_request() checks and builds (touching no queue), enqueue() hands the result
+to the scheduler. A step whose device call fails fails only the requests in that step.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +26,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from jaxserve.loader.generation_config import read_generation_config, sampling_defaults
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.runner.model_runner import ModelRunner
@@ -32,8 +38,12 @@ logger = logging.getLogger(__name__)
 PromptType = str | Sequence[int] | Mapping
 
 
+class EngineDeadError(RuntimeError):
+    """The engine cannot run another step (its device state is lost)."""
+
+
 @dataclass
-class _Parent:
+class ParentRequest:
     """A user request: the prompt and its n child sequences."""
 
     request_id: str
@@ -41,6 +51,8 @@ class _Parent:
     prompt_token_ids: list[int]
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -62,8 +74,10 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
         self.runner = ModelRunner(config)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.runner.num_blocks)
-        self._parents: dict[str, _Parent] = {}
+        self._parents: dict[str, ParentRequest] = {}
         self._child_to_parent: dict[str, str] = {}
+        self._last_token_time: dict[str, float] = {}  # child id -> when its last token came out
+        self.iteration_stats = IterationStats()  # of the last step
         self._seed_rng = np.random.default_rng(config.model_config.seed)
         self._counter = itertools.count()
         mc = config.model_config
@@ -111,6 +125,18 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
+        self.enqueue(self.make_request(request_id, prompt, params, priority, arrival_time))
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> ParentRequest:
+        """Check and tokenize a request and build its child sequences; ValueError on bad
+        input. Touches no queue, so a server may call it off the engine's thread."""
         if request_id in self._parents:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         check_supported(params)
@@ -132,37 +158,42 @@ class LLMEngine:
             raise ValueError(
                 f"min_tokens with more than {MAX_BANNED_TOKENS - 1} stop_token_ids is not supported."
             )
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
         room = max_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        children = []
+        parent = ParentRequest(request_id, text, token_ids, [], arrival_time=arrival_time)
         for i in range(params.n):
             child_params = params.clone(n=1, best_of=None)
             if params.seed is not None:
                 child_params.seed = params.seed + i
             child_params.stop_token_ids = sorted(set(child_params.stop_token_ids) | self.extra_eos_ids)
             seed = child_params.seed if child_params.seed is not None else int(self._seed_rng.integers(2**31))
-            children.append(
-                Request(
-                    request_id if params.n == 1 else f"{i}_{request_id}",
-                    token_ids,
-                    child_params,
-                    seed=seed,
-                    eos_token_id=self.eos_token_id,
-                    prompt=text,
-                    priority=priority,
-                    arrival_time=arrival_time,
-                    max_tokens=max_tokens,
-                )
+            child = Request(
+                request_id if params.n == 1 else f"{i}_{request_id}",
+                token_ids,
+                child_params,
+                seed=seed,
+                eos_token_id=self.eos_token_id,
+                prompt=text,
+                priority=priority,
+                arrival_time=arrival_time,
+                max_tokens=max_tokens,
             )
-        parent = _Parent(request_id, text, token_ids, children)
-        for child in children:
-            self.scheduler.add_request(child)
-            self._child_to_parent[child.request_id] = request_id
+            parent.children.append(child)
             det = None
-            if self.tokenizer is not None and child.sampling_params.detokenize:
+            if self.tokenizer is not None and child_params.detokenize:
                 det = IncrementalDetokenizer(self.tokenizer, child)
             parent.detokenizers.append(det)
-        self._parents[request_id] = parent
+        return parent
+
+    def enqueue(self, parent: ParentRequest) -> None:
+        """Hand a request built by make_request to the scheduler."""
+        if parent.request_id in self._parents:
+            raise ValueError(f"Request id {parent.request_id!r} is already in use.")
+        for child in parent.children:
+            self.scheduler.add_request(child)
+            self._child_to_parent[child.request_id] = parent.request_id
+        self._parents[parent.request_id] = parent
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         if isinstance(request_ids, str):
@@ -171,10 +202,13 @@ class LLMEngine:
             parent = self._parents.pop(rid, None)
             if parent is None:
                 continue
-            child_ids = [c.request_id for c in parent.children]
-            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-            for cid in child_ids:
-                self._child_to_parent.pop(cid, None)
+            self.scheduler.finish_requests(
+                [c.request_id for c in parent.children], RequestStatus.FINISHED_ABORTED
+            )
+            self._forget(parent)
+
+    def abort_all(self) -> None:
+        self.abort_request(list(self._parents))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -187,11 +221,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns a RequestOutput for every request that changed."""
         sched = self.scheduler.schedule()
+        self.iteration_stats = stats = IterationStats(num_scheduled_tokens=sched.num_tokens)
         if sched.is_empty:
             return []
-        runner_out = self.runner.execute(sched)
+        try:
+            runner_out = self.runner.execute(sched)
+        except Exception as e:
+            return self._fail_step(sched, e)
         updated = self.scheduler.update(sched, runner_out)
-        changed: dict[str, _Parent] = {}
+        now = time.monotonic()
+        changed: dict[str, ParentRequest] = {}
         for req in updated:
             parent = self._parents.get(self._child_to_parent.get(req.request_id, ""))
             if parent is None:
@@ -204,22 +243,85 @@ class LLMEngine:
                     self.scheduler.finish_requests(
                         req.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop
                     )
+            self._record_token(stats, parent, req, now)
             changed[parent.request_id] = parent
         outputs = [self._make_output(p) for p in changed.values()]
         for out in outputs:
             if out.finished:
                 parent = self._parents.pop(out.request_id)
-                for c in parent.children:
-                    self._child_to_parent.pop(c.request_id, None)
+                self._record_finished(stats, parent, now)
+                self._forget(parent)
         return outputs
 
-    def _make_output(self, parent: _Parent) -> RequestOutput:
+    def _record_token(self, stats: IterationStats, parent: ParentRequest, req: Request, now: float) -> None:
+        stats.num_generation_tokens += 1
+        last = self._last_token_time.get(req.request_id)
+        if last is not None:
+            stats.inter_token_latencies.append(now - last)
+        self._last_token_time[req.request_id] = now
+        if parent.first_token_time is None:
+            parent.first_token_time = now
+            stats.num_prompt_tokens += len(parent.prompt_token_ids)
+            stats.time_to_first_tokens.append(now - parent.arrival_time)
+
+    def _record_finished(self, stats: IterationStats, parent: ParentRequest, now: float) -> None:
+        stats.finished.append(
+            FinishedRequestStats(
+                finish_reason=parent.children[0].status.finish_reason,
+                e2e_latency=now - parent.arrival_time,
+                num_prompt_tokens=len(parent.prompt_token_ids),
+                num_generation_tokens=sum(c.num_output_tokens for c in parent.children),
+            )
+        )
+
+    def _forget(self, parent: ParentRequest) -> None:
+        for child in parent.children:
+            self._child_to_parent.pop(child.request_id, None)
+            self._last_token_time.pop(child.request_id, None)
+
+    def _fail_step(self, sched, error: Exception) -> list[RequestOutput]:
+        """The device call failed: fail every request that had a row in the step, keep the
+        rest. If the failure took the KV pool with it (it is donated to the call), every
+        live request's KV is gone: the pool is rebuilt and the survivors recompute."""
+        logger.error("Engine step failed; failing the requests in it", exc_info=error)
+        message = f"The engine failed while running this request: {type(error).__name__}: {error}"
+        failed = {self._child_to_parent.get(s.request_id) for s in sched.seqs} - {None}
+        outputs = []
+        for rid in failed:
+            parent = self._parents.pop(rid)
+            ids = [c.request_id for c in parent.children]
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+            self._forget(parent)
+            out = self._make_output(parent)
+            out.error = message
+            outputs.append(out)
+        if self.runner.kv_pool_lost:
+            try:
+                self.runner.reset_kv_pool()
+            except Exception as e:
+                raise EngineDeadError(f"cannot rebuild the KV cache after a failed step: {e}") from e
+            self.scheduler.drop_all_kv()
+        return outputs
+
+    def scheduler_stats(self) -> SchedulerStats:
+        s = self.scheduler
+        prefix = s.prefix_cache_stats
+        return SchedulerStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=s.num_preemptions,
+        )
+
+    def _make_output(self, parent: ParentRequest) -> RequestOutput:
         completions = []
         for i, (child, det) in enumerate(zip(parent.children, parent.detokenizers)):
             completions.append(
                 CompletionOutput(
                     index=i,
-                    text=det.output_text if det is not None else "",
+                    text=det.stream_text(child.is_finished) if det is not None else "",
                     token_ids=list(child.output_token_ids),
                     cumulative_logprob=child.cumulative_logprob,
                     finish_reason=child.status.finish_reason,

@@ -170,7 +170,7 @@ class Scheduler:
             return max(self.running, key=_priority_key)
         return self.running[-1]
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, counted: bool = True) -> None:
         """Preemption by recompute: drop the KV, keep the tokens; the request's prompt and
         outputs so far are prefilled again when it is readmitted (mostly from the prefix
         cache, if its pages have not been evicted by then)."""
@@ -178,8 +178,9 @@ class Scheduler:
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.num_preemptions += 1
+        if counted:
+            req.num_preemptions += 1
+            self.num_preemptions += 1
         self._push_waiting(req, front=True)
 
     def _commit(self, req: Request, n: int) -> ScheduledSeq:
@@ -282,6 +283,13 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()
+
+    def drop_all_kv(self) -> None:
+        """The KV pool was rebuilt empty: every running request recomputes its tokens, and
+        no cached page holds what its hash says any more."""
+        for req in list(self.running):
+            self._preempt(req, counted=False)  # not a preemption for lack of pages
+        self.block_manager.reset_prefix_cache()
 
 
 def _priority_key(req: Request) -> tuple[int, float]:

@@ -103,6 +103,14 @@ class ModelRunner:
         logger.info("Compiled %d step buckets in %.1f s", len(buckets), time.perf_counter() - start)
 
     @property
+    def kv_pool_lost(self) -> bool:
+        """True after a failed call consumed the donated pool without returning a new one."""
+        return self.kv_pool.is_deleted()
+
+    def reset_kv_pool(self) -> None:
+        self.kv_pool = allocate_kv_pool(self.kv_spec, self.num_blocks, self.mesh)
+
+    @property
     def num_compiled(self) -> int:
         return len(self._compiled)
 

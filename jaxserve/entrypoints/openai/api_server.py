@@ -1,8 +1,465 @@
-"""The OpenAI-compatible HTTP server (being written)."""
+"""The OpenAI-compatible HTTP server: aiohttp app, routes, middlewares, start-up and shutdown.
+
+Where it sits: the front door. `jaxserve serve` (and `python -m
+jaxserve.entrypoints.openai.api_server`, for scripts written for vLLM) builds the engine
+from EngineArgs, wraps it in an AsyncLLMEngine and serves `build_app(...)` until SIGINT or
+SIGTERM. Handlers validate with protocol.py and hand off to serving_completion /
+serving_chat. Every client mistake is answered with a 4xx and an OpenAI-style error body;
+nothing a client sends reaches the engine thread unchecked.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import logging.config
+import os
+import ssl
+import sys
+from collections.abc import Awaitable, Callable, Sequence
 
-def run_server(engine_args, server_args) -> int:
-    """Build the engine, serve until SIGINT/SIGTERM, return the exit code."""
-    raise NotImplementedError
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from jaxserve import __version__
+from jaxserve.engine.async_engine import AsyncLLMEngine, EngineRequestError
+from jaxserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    error_body,
+    now,
+    validation_message,
+)
+from jaxserve.entrypoints.openai.server_args import ServerArgs
+from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxserve.entrypoints.openai.serving_engine import ModelNotFound
+from jaxserve.metrics import EngineMetrics, StatsLogger
+
+logger = logging.getLogger("jaxserve.entrypoints.openai.api_server")
+
+# Request bodies above this are refused with 413 before they are read in full.
+MAX_BODY_BYTES = 32 << 20
+STATS_LOG_INTERVAL_S = 10.0
+SHUTDOWN_TIMEOUT_S = 30.0
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_ENGINE = web.AppKey("engine", AsyncLLMEngine)
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> web.Response:
+    return web.json_response(error_body(message, status, param), status=status)
+
+
+# ---- middlewares --------------------------------------------------------------------------
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure leaves as an OpenAI-style JSON error; a bug is a 500, never a crash."""
+    try:
+        return await handler(request)
+    except ValueError as e:
+        return error_response(str(e), 400, getattr(e, "param", None))
+    except ModelNotFound as e:
+        return error_response(str(e), 404, "model")
+    except web.HTTPRequestEntityTooLarge as e:
+        return error_response(
+            f"The request body is too large ({e.actual_size} bytes; limit {e.max_size}).", 413
+        )
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(e.reason or e.text or "error", e.status)
+    except EngineRequestError as e:
+        return error_response(str(e), 500)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:
+        logger.exception("Unhandled error in %s %s", request.method, request.path)
+        return error_response(f"Internal server error: {type(e).__name__}: {e}", 500)
+
+
+def _auth_middleware(api_key: str, root_path: str) -> Callable:
+    expected = f"Bearer {api_key}"
+    prefixes = ("/v1", root_path.rstrip("/") + "/v1") if root_path else ("/v1",)
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method != "OPTIONS" and request.path.startswith(prefixes):
+            if request.headers.get("Authorization") != expected:
+                return error_response(
+                    "Unauthorized: a valid API key is required (Authorization: Bearer).", 401
+                )
+        return await handler(request)
+
+    return auth
+
+
+def _cors_middleware(args: ServerArgs) -> Callable:
+    """CORS like Starlette's CORSMiddleware, which vLLM uses: preflights are answered
+    here, other responses get the allow-origin headers."""
+    any_origin = "*" in args.allowed_origins
+    methods = (
+        "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
+        if "*" in args.allowed_methods
+        else ", ".join(args.allowed_methods)
+    )
+
+    def allow_origin(origin: str) -> str | None:
+        if any_origin:
+            return origin if args.allow_credentials else "*"
+        return origin if origin in args.allowed_origins else None
+
+    @web.middleware
+    async def cors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        origin = request.headers.get("Origin")
+        if origin is None:
+            return await handler(request)
+        allowed = allow_origin(origin)
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            wanted = request.headers["Access-Control-Request-Method"]
+            if allowed is None or ("*" not in args.allowed_methods and wanted not in args.allowed_methods):
+                return web.Response(status=400, text="Disallowed CORS request")
+            requested_headers = request.headers.get("Access-Control-Request-Headers", "")
+            headers = {
+                "Access-Control-Allow-Origin": allowed,
+                "Access-Control-Allow-Methods": methods,
+                "Access-Control-Allow-Headers": requested_headers
+                if "*" in args.allowed_headers
+                else ", ".join(args.allowed_headers),
+                "Access-Control-Max-Age": "600",
+                "Vary": "Origin",
+            }
+            if args.allow_credentials:
+                headers["Access-Control-Allow-Credentials"] = "true"
+            return web.Response(status=200, headers=headers)
+        response = await handler(request)
+        if allowed is not None and not response.prepared:
+            response.headers["Access-Control-Allow-Origin"] = allowed
+            if args.allow_credentials:
+                response.headers["Access-Control-Allow-Credentials"] = "true"
+            if not any_origin or args.allow_credentials:
+                response.headers["Vary"] = "Origin"
+        return response
+
+    return cors
+
+
+# ---- the app -----------------------------------------------------------------------------
+
+
+async def _parse(request: web.Request, model: type[BaseModel]) -> BaseModel:
+    try:
+        data = await request.json()
+    except json.JSONDecodeError as e:
+        raise ValueError(f"The request body is not valid JSON: {e}") from None
+    except UnicodeDecodeError:
+        raise ValueError("The request body is not valid UTF-8 JSON.") from None
+    if not isinstance(data, dict):
+        raise ValueError("The request body must be a JSON object.")
+    try:
+        body = model.model_validate(data)
+    except ValidationError as e:
+        message, param = validation_message(e)
+        err = ValueError(message)
+        err.param = param
+        raise err from None
+    if getattr(body, "ignored_fields", None):
+        logger.warning("Request fields ignored: %s", ", ".join(body.ignored_fields))
+    return body
+
+
+class _Routes:
+    def __init__(self, engine: AsyncLLMEngine, args: ServerArgs, metrics: EngineMetrics):
+        self.engine = engine
+        self.args = args
+        self.metrics = metrics
+        self.completion = OpenAIServingCompletion(engine, args)
+        self.chat = OpenAIServingChat(engine, args)
+
+    def add_to(self, router: web.UrlDispatcher, prefix: str = "") -> None:
+        r = router
+        r.add_get(prefix + "/health", self.health)
+        r.add_route("*", prefix + "/ping", self.health)
+        r.add_get(prefix + "/version", self.version)
+        r.add_get(prefix + "/metrics", self.prometheus)
+        r.add_get(prefix + "/v1/models", self.models)
+        r.add_post(prefix + "/v1/completions", self.completions)
+        r.add_post(prefix + "/v1/chat/completions", self.chat_completions)
+        r.add_post(prefix + "/tokenize", self.tokenize)
+        r.add_post(prefix + "/detokenize", self.detokenize)
+        if self.args.enable_server_load_tracking:
+            r.add_get(prefix + "/load", self.load)
+        if not self.args.disable_fastapi_docs:
+            r.add_get(prefix + "/openapi.json", self.openapi)
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.engine.is_running:
+            return error_response(f"The engine is not running: {self.engine.dead_error}", 503)
+        return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def load(self, request: web.Request) -> web.Response:
+        return web.json_response({"server_load": self.engine.num_requests})
+
+    async def models(self, request: web.Request) -> web.Response:
+        mc = self.completion.model_config
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": now(),
+                "owned_by": "jaxserve",
+                "root": mc.model,
+                "parent": None,
+                "max_model_len": mc.max_model_len,
+            }
+            for name in mc.served_model_name
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.completion.create(await _parse(request, CompletionRequest), request)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.chat.create(await _parse(request, ChatCompletionRequest), request)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        data = await request.json() if request.can_read_body else {}
+        model = (
+            TokenizeChatRequest
+            if isinstance(data, dict) and "messages" in data
+            else TokenizeCompletionRequest
+        )
+        body = await _parse(request, model)
+        serving = self.chat
+        serving.model_name(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            text = serving.render_chat(
+                body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                chat_template=body.chat_template,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
+        else:
+            text = body.prompt
+        ids = serving.tokenize(text, body.add_special_tokens)["prompt_token_ids"]
+        return web.json_response({"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await _parse(request, DetokenizeRequest)
+        self.chat.model_name(body.model)
+        tokenizer = self.chat.require_tokenizer()
+        vocab = len(tokenizer)
+        if any(t < 0 or t >= vocab for t in body.tokens):
+            raise ValueError(f"tokens must be in [0, {vocab}).")
+        return web.json_response({"prompt": tokenizer.decode(body.tokens)})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi_document(self.args.root_path))
+
+
+def openapi_document(root_path: str | None = None) -> dict:
+    """The OpenAPI description of the endpoints, request schemas from the pydantic models."""
+    schemas: dict = {}
+
+    def body(model: type[BaseModel]) -> dict:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+        ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+    ok = {"responses": {"200": {"description": "Successful Response"}}}
+    paths = {
+        "/health": {"get": {"summary": "Health", **ok}},
+        "/ping": {"get": {"summary": "Ping", **ok}, "post": {"summary": "Ping", **ok}},
+        "/version": {"get": {"summary": "Version", **ok}},
+        "/metrics": {"get": {"summary": "Prometheus metrics", **ok}},
+        "/v1/models": {"get": {"summary": "List models", **ok}},
+        "/v1/completions": {"post": {"summary": "Create completion", **body(CompletionRequest), **ok}},
+        "/v1/chat/completions": {
+            "post": {"summary": "Create chat completion", **body(ChatCompletionRequest), **ok}
+        },
+        "/tokenize": {"post": {"summary": "Tokenize", **body(TokenizeCompletionRequest), **ok}},
+        "/detokenize": {"post": {"summary": "Detokenize", **body(DetokenizeRequest), **ok}},
+    }
+    doc = {
+        "openapi": "3.1.0",
+        "info": {"title": "jaxserve OpenAI-compatible API", "version": __version__},
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }
+    if root_path:
+        doc["servers"] = [{"url": root_path}]
+    return doc
+
+
+def build_app(
+    engine: AsyncLLMEngine, args: ServerArgs, max_body_bytes: int = MAX_BODY_BYTES
+) -> web.Application:
+    """The aiohttp app; it starts the engine thread on start-up and stops it on cleanup."""
+    middlewares = [_cors_middleware(args)]
+    if args.api_key:
+        middlewares.append(_auth_middleware(args.api_key, args.root_path or ""))
+    middlewares.append(_errors)
+    app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
+    app[_ENGINE] = engine
+    llm = engine.engine
+    mc, sc = llm.config.model_config, llm.config.scheduler_config
+    metrics = EngineMetrics(mc.served_model_name[0], mc.max_model_len, sc.max_num_batched_tokens)
+    engine.stats_callbacks.append(metrics.record)
+    routes = _Routes(engine, args, metrics)
+    routes.add_to(app.router)
+    if args.root_path and args.root_path.strip("/"):
+        routes.add_to(app.router, "/" + args.root_path.strip("/"))
+    if args.enable_request_id_headers:
+        app.on_response_prepare.append(_add_request_id)
+    if not args.disable_log_stats:
+        stats_logger = StatsLogger()
+        engine.stats_callbacks.append(stats_logger.record)
+        app.cleanup_ctx.append(_periodic_stats(stats_logger))
+
+    async def start_engine(app: web.Application) -> None:
+        engine.start()
+
+    async def stop_engine(app: web.Application) -> None:
+        await asyncio.to_thread(engine.shutdown)
+
+    app.on_startup.append(start_engine)
+    app.on_cleanup.append(stop_engine)
+    return app
+
+
+async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    request_id = request.headers.get("X-Request-Id") or request.get("request_id")
+    if request_id is None:
+        import uuid
+
+        request_id = request["request_id"] = uuid.uuid4().hex
+    response.headers["X-Request-Id"] = request_id
+
+
+def _periodic_stats(stats_logger: StatsLogger):
+    async def ctx(app: web.Application):
+        async def loop():
+            while True:
+                await asyncio.sleep(STATS_LOG_INTERVAL_S)
+                line = stats_logger.line()
+                if line is not None:
+                    logger.info("%s", line)
+
+        task = asyncio.create_task(loop())
+        yield
+        task.cancel()
+
+    return ctx
+
+
+# ---- running ------------------------------------------------------------------------------
+
+
+def ssl_context(args: ServerArgs) -> ssl.SSLContext | None:
+    if not args.ssl_certfile:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    if args.ssl_ca_certs:
+        ctx.load_verify_locations(args.ssl_ca_certs)
+    ctx.verify_mode = ssl.VerifyMode(args.ssl_cert_reqs)
+    return ctx
+
+
+def _ssl_refresher(ctx: ssl.SSLContext, args: ServerArgs, interval: float = 5.0):
+    """--enable-ssl-refresh: load the key and certificates again when their files change;
+    connections made after that use them."""
+    paths = [p for p in (args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs) if p]
+
+    def stamp() -> tuple:
+        return tuple(os.stat(p).st_mtime_ns if os.path.exists(p) else 0 for p in paths)
+
+    async def refresh(app: web.Application):
+        async def loop():
+            seen = stamp()
+            while True:
+                await asyncio.sleep(interval)
+                current = stamp()
+                if current != seen:
+                    seen = current
+                    try:
+                        ctx.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+                        if args.ssl_ca_certs:
+                            ctx.load_verify_locations(args.ssl_ca_certs)
+                        logger.info("Reloaded the TLS certificates")
+                    except (OSError, ssl.SSLError) as e:
+                        logger.error("Could not reload the TLS certificates: %s", e)
+
+        task = asyncio.create_task(loop())
+        yield
+        task.cancel()
+
+    return refresh
+
+
+def configure_logging(args: ServerArgs) -> None:
+    if args.log_config_file:
+        with open(args.log_config_file, encoding="utf-8") as fh:
+            logging.config.dictConfig(json.load(fh))
+        return
+    level = "DEBUG" if args.uvicorn_log_level == "trace" else args.uvicorn_log_level.upper()
+    logging.basicConfig(level=level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    logging.getLogger("jaxserve").setLevel(level)
+
+
+def run_server(engine_args, server_args: ServerArgs) -> int:
+    """Build the engine, serve until SIGINT/SIGTERM, return the exit code.
+
+    On a signal the listening socket closes first, in-flight requests get
+    SHUTDOWN_TIMEOUT_S to finish (the engine keeps stepping), the rest are aborted,
+    and the process exits 0.
+    """
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    configure_logging(server_args)
+    ssl_ctx = ssl_context(server_args)  # a bad certificate should fail before the model loads
+    engine = AsyncLLMEngine(LLMEngine.from_engine_args(engine_args))
+    app = build_app(engine, server_args)
+    if ssl_ctx is not None and server_args.enable_ssl_refresh:
+        app.cleanup_ctx.append(_ssl_refresher(ssl_ctx, server_args))
+    host = server_args.host or None
+    scheme = "https" if ssl_ctx else "http"
+    logger.info("Serving %s on %s://%s:%d", engine.engine.config.model_config.served_model_name[0], scheme,
+                host or "0.0.0.0", server_args.port)  # fmt: skip
+    web.run_app(
+        app,
+        host=host,
+        port=server_args.port,
+        ssl_context=ssl_ctx,
+        access_log=None if server_args.disable_uvicorn_access_log else logging.getLogger("aiohttp.access"),
+        handler_cancellation=True,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        print=None,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m jaxserve.entrypoints.openai.api_server`: vLLM's module form of `serve`."""
+    from jaxserve import cli
+
+    return cli.main(["serve", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""What one engine step did, for the metrics and the periodic stats log line.
+
+LLMEngine.step() fills an IterationStats and a SchedulerStats snapshot after every step;
+the async engine hands both to jaxserve.metrics. Plain data: nothing here knows about
+Prometheus or logging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # share of usable KV pages held by live requests, 0..1
+    prefix_cache_queries: int  # cumulative prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # cumulative prompt tokens found there
+    num_preemptions: int  # cumulative
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float  # seconds from arrival to the last token
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    num_scheduled_tokens: int = 0  # tokens the step ran through the model
+    num_prompt_tokens: int = 0  # prompts of requests whose first token came out this step
+    num_generation_tokens: int = 0  # tokens sampled this step
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)

@@ -1,0 +1,245 @@
+"""Request bodies of the OpenAI API (plus vLLM's extra fields), validated with pydantic,
+and the error body every failure answers with.
+
+Where it sits: first thing a handler does is `CompletionRequest.model_validate(json)`;
+a ValidationError becomes a 400 naming the field. `to_sampling_params` is the one place
+request fields become a SamplingParams: unset fields take the model's generation-config
+defaults, then vLLM's.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from http import HTTPStatus
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from jaxserve.sampling_params import SamplingParams
+
+_INT64 = 2**63 - 1
+
+
+def error_body(message: str, status: int = 400, param: str | None = None) -> dict:
+    """vLLM's OpenAI-style error: {"error": {"message", "type", "param", "code"}}."""
+    phrase = HTTPStatus(status).phrase.replace(" ", "")
+    err_type = phrase if phrase.endswith("Error") else phrase + "Error"
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def validation_message(error: ValidationError) -> tuple[str, str | None]:
+    """One readable line for a pydantic error, and the top-level field it is about."""
+    first = error.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    param = str(first["loc"][0]) if first["loc"] else None
+    msg = first["msg"]
+    return (f"{loc}: {msg}" if loc else msg), param
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are ignored (the server logs them), as vLLM and OpenAI do: SDKs send
+    # fields that older servers do not know.
+    model_config = ConfigDict(extra="allow")
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    seed: int | None = Field(None, ge=-_INT64 - 1, le=_INT64)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields
+    best_of: int | None = None
+    use_beam_search: bool = False
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    length_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    priority: int = 0
+    request_id: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+
+    def _requested_max_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def _logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def to_sampling_params(self, max_tokens: int, defaults: dict[str, Any]) -> SamplingParams:
+        """SamplingParams for this request; `max_tokens` is already resolved by the caller
+        (it depends on the prompt length). Raises ValueError on out-of-range values."""
+        if self.use_beam_search:
+            raise ValueError("use_beam_search is not supported by jaxserve yet.")
+
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            if value is not None:
+                return value
+            return defaults.get(name, fallback)
+
+        return SamplingParams(
+            n=self.n,
+            best_of=self.best_of,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=self._logprobs(),
+            prompt_logprobs=self.prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+        )
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be given when stream is true.")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(union_mode="left_to_right")
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0)
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt must not be empty.")
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of the next
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = "none"
+    parallel_tool_calls: bool | None = None
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def _logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def check_unsupported(self) -> None:
+        """Fields whose feature jaxserve does not have yet: refused, never ignored."""
+        if self.tools and self.tool_choice != "none":
+            raise ValueError("tool calling is not supported by jaxserve yet (tools need tool_choice='none').")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError(
+                f"response_format type {self.response_format.get('type')!r} is not supported by jaxserve yet; "
+                "only 'text'."
+            )
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+FinishReason = Literal["stop", "length", "abort", "error"]

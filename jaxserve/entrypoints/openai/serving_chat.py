@@ -1,0 +1,114 @@
+"""POST /v1/chat/completions: messages through the chat template, JSON or SSE.
+
+The answer's role is --response-role (when a generation prompt is added). With `echo`,
+the content of the last message is repeated first when it has that role, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, now
+from jaxserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt, sse_response
+from jaxserve.outputs import RequestOutput
+
+
+class OpenAIServingChat(OpenAIServing):
+    def role(self, body: ChatCompletionRequest) -> str:
+        return self.args.response_role if body.add_generation_prompt else body.messages[-1].role
+
+    async def prompt_for(self, body: ChatCompletionRequest) -> Prompt:
+        """Render and tokenize the conversation (off the event loop: templates and long
+        conversations take a while)."""
+
+        def render() -> Prompt:
+            text = self.render_chat(
+                body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                chat_template=body.chat_template,
+                chat_template_kwargs=body.chat_template_kwargs,
+                tools=body.tools,
+            )
+            return self.tokenize(text, body.add_special_tokens, body.truncate_prompt_tokens)
+
+        return await asyncio.to_thread(render)
+
+    async def create(self, body: ChatCompletionRequest, raw: web.Request) -> web.StreamResponse:
+        model = self.model_name(body.model)
+        body.check_stream_options()
+        body.check_unsupported()
+        prompt = await self.prompt_for(body)
+        prompt_tokens = len(prompt["prompt_token_ids"])
+        params = body.to_sampling_params(
+            self.max_tokens(body.requested_max_tokens, prompt_tokens), self.sampling_defaults
+        )
+        request_id = self.request_id(raw, body, "chatcmpl")
+        self.log_request(request_id, prompt, params)
+        outputs = self.generate_all(request_id, [prompt], [params], body.priority)
+        head = {"id": request_id, "object": "chat.completion", "created": now(), "model": model}
+        role = self.role(body)
+        echo = self._echo_text(body, role)
+        if body.stream:
+            head["object"] = "chat.completion.chunk"
+            return await sse_response(raw, self._chunks(body, head, role, echo, prompt_tokens, outputs))
+        final: RequestOutput | None = None
+        async with contextlib.aclosing(outputs) as gen:
+            async for _, out in gen:
+                final = out
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": role, "content": echo + c.text, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in final.outputs
+        ]
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        usage = self.usage(prompt_tokens, completion_tokens, final.num_cached_tokens)
+        return web.json_response({**head, "choices": choices, "usage": usage, "prompt_logprobs": None})
+
+    @staticmethod
+    def _echo_text(body: ChatCompletionRequest, role: str) -> str:
+        last = body.messages[-1]
+        if not body.echo or last.role != role or last.content is None:
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        return "".join(p.get("text", "") for p in last.content)
+
+    async def _chunks(self, body, head, role, echo, prompt_tokens, outputs) -> AsyncIterator[dict]:
+        def chunk(index: int, delta: dict, finish_reason=None, stop_reason=None) -> dict:
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            if finish_reason is not None:
+                choice["stop_reason"] = stop_reason
+            return {**head, "choices": [choice]}
+
+        for i in range(body.n):  # the role first, as OpenAI does
+            yield chunk(i, {"role": role, "content": ""})
+            if echo:
+                yield chunk(i, {"content": echo})
+        sent = [0] * body.n
+        tokens = [0] * body.n
+        cached = 0
+        async with contextlib.aclosing(outputs) as gen:
+            async for _, out in gen:
+                for c in out.outputs:
+                    delta = c.text[sent[c.index] :]
+                    sent[c.index] = len(c.text)
+                    tokens[c.index] = len(c.token_ids)
+                    if not delta and c.finish_reason is None:
+                        continue
+                    item = chunk(c.index, {"content": delta} if delta else {}, c.finish_reason, c.stop_reason)
+                    if body.continuous_usage:
+                        item["usage"] = self.usage(prompt_tokens, sum(tokens), cached)
+                    yield item
+                cached = out.num_cached_tokens
+        if body.include_usage:
+            yield {**head, "choices": [], "usage": self.usage(prompt_tokens, sum(tokens), cached)}

@@ -1,0 +1,274 @@
+"""What the completion and chat handlers share: model names, chat templates, prompt
+lengths, request logging, running several prompts at once, and SSE framing.
+
+Where it sits: between protocol.py (validated bodies) and the AsyncLLMEngine. Every
+client mistake found here is a ValueError (the app turns it into a 400) or a
+ModelNotFound (404); nothing here touches the engine's queues directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from aiohttp import web
+
+from jaxserve.engine.async_engine import AsyncLLMEngine, EngineRequestError
+from jaxserve.entrypoints.openai.protocol import ChatMessage, _SamplingRequest, error_body, random_id
+from jaxserve.entrypoints.openai.server_args import ServerArgs
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxserve.entrypoints.openai")
+
+Prompt = dict  # {"prompt": text | None, "prompt_token_ids": [...]} as the engine takes it
+
+
+class ModelNotFound(LookupError):
+    pass
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template / the chat_template field: a file path, or the Jinja text itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as fh:
+            return fh.read()
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"chat template {value!r} is neither a readable file nor a Jinja template.")
+
+
+# A template that loops over a message's content expects OpenAI's list of parts.
+_LOOPS_OVER_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content)")
+
+
+def detect_content_format(template: str | None) -> str:
+    return "openai" if template and _LOOPS_OVER_CONTENT.search(template) else "string"
+
+
+def _text_parts(content: list[dict[str, Any]]) -> list[str]:
+    texts = []
+    for part in content:
+        kind = part.get("type")
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"message content parts of type {kind!r} are not supported; only 'text'.")
+        texts.append(part["text"])
+    return texts
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, args: ServerArgs):
+        self.engine = engine
+        self.args = args
+        llm = engine.engine
+        self.tokenizer = llm.tokenizer
+        self.model_config = llm.config.model_config
+        self.max_model_len = self.model_config.max_model_len
+        self.served_model_names = list(self.model_config.served_model_name)
+        self.sampling_defaults = dict(llm.sampling_defaults)
+        self.chat_template = load_chat_template(args.chat_template)
+        if self.chat_template is None and self.tokenizer is not None:
+            self.chat_template = getattr(self.tokenizer, "chat_template", None)
+        if args.chat_template_content_format == "auto":
+            self.content_format = detect_content_format(self.chat_template)
+        else:
+            self.content_format = args.chat_template_content_format
+
+    # ---- checks --------------------------------------------------------------------------
+
+    def model_name(self, requested: str | None) -> str:
+        if requested is None or requested in self.served_model_names:
+            return requested or self.served_model_names[0]
+        raise ModelNotFound(f"The model `{requested}` does not exist.")
+
+    def require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("This server was started with --skip-tokenizer-init: send token ids, not text.")
+        return self.tokenizer
+
+    def max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        """The request's max_tokens, checked against the context length like vLLM does."""
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, your request has "
+                f"{prompt_len} input tokens. Please reduce the length of the input messages."
+            )
+        if requested is None:
+            room = limit - prompt_len
+            default = self.sampling_defaults.get("max_tokens")
+            return room if default is None else min(room, default)
+        if prompt_len + requested > limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in the "
+                "completion). Please reduce the length of the messages or completion."
+            )
+        return requested
+
+    # ---- prompts -------------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special_tokens: bool, truncate: int | None = None) -> Prompt:
+        ids = self.require_tokenizer().encode(text, add_special_tokens=add_special_tokens)
+        return {"prompt": text, "prompt_token_ids": ids[-truncate:] if truncate else ids}
+
+    def token_prompt(self, ids: Sequence[int], truncate: int | None = None) -> Prompt:
+        text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
+        ids = list(ids)
+        return {"prompt": text, "prompt_token_ids": ids[-truncate:] if truncate else ids}
+
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        tools: list | None = None,
+    ) -> str:
+        """The conversation as the prompt text the model's chat template makes of it."""
+        tokenizer = self.require_tokenizer()
+        template = load_chat_template(chat_template) or self.chat_template
+        if template is None:
+            raise ValueError(
+                "The model has no chat template and none was given (--chat-template or chat_template)."
+            )
+        conversation = []
+        for m in messages:
+            message = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):
+                texts = _text_parts(m.content)
+                if self.content_format == "string":
+                    message["content"] = "\n".join(texts)
+                else:
+                    message["content"] = [{"type": "text", "text": t} for t in texts]
+            elif isinstance(m.content, str) and self.content_format == "openai":
+                message["content"] = [{"type": "text", "text": m.content}]
+            conversation.append(message)
+        kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
+        try:
+            return tokenizer.apply_chat_template(
+                conversation,
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **kwargs,
+            )
+        except Exception as e:  # a template error is about the request's messages
+            raise ValueError(f"The chat template failed on these messages: {e}") from None
+
+    # ---- running -------------------------------------------------------------------------
+
+    def request_id(self, raw: web.Request, body: _SamplingRequest, prefix: str) -> str:
+        base = raw.headers.get("X-Request-Id") or body.request_id
+        return f"{prefix}-{base}" if base else random_id(prefix)
+
+    def log_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+        if self.args.disable_log_requests:
+            return
+        limit = self.args.max_log_len
+        text, ids = prompt["prompt"], prompt["prompt_token_ids"]
+        if limit is not None:
+            text = text[:limit] if text is not None else None
+            ids = ids[:limit]
+        logger.info(
+            "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", request_id, text, params, ids
+        )
+
+    def generate_all(
+        self, request_id: str, prompts: list[Prompt], params: list[SamplingParams], priority: int
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several prompts as they come, tagged with the prompt's index.
+
+        Every prompt is checked (make_request) before any is queued, so a bad second
+        prompt never leaves the first one running. Leaving early aborts them all.
+        """
+        parents = [
+            self.engine.make_request(
+                p, sp, request_id if len(prompts) == 1 else f"{request_id}-{i}", priority
+            )
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
+        return _merge([self.engine.stream(parent) for parent in parents])
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": None,
+        }
+        if self.args.enable_prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        return usage
+
+
+async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Items of several streams as they come, tagged with the stream's index; closing the
+    merged stream closes (and so aborts) every one of them."""
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0]) as gen:
+            async for out in gen:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with contextlib.aclosing(gen) as g:
+                async for out in g:
+                    queue.put_nowait((i, out))
+        except BaseException as e:  # noqa: BLE001 - handed to the reader below
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def sse_response(raw: web.Request, chunks: AsyncIterator[dict]) -> web.StreamResponse:
+    """Stream `chunks` as server-sent events, then `data: [DONE]`. An engine failure after
+    the stream has started is sent as an error event (the status line is already out)."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(raw)
+    async with contextlib.aclosing(chunks) as gen:
+        try:
+            async for chunk in gen:
+                await _send(response, chunk)
+        except EngineRequestError as e:
+            await _send(response, error_body(str(e), 500))
+    await _send(response, "[DONE]")
+    await response.write_eof()
+    return response
+
+
+async def _send(response: web.StreamResponse, data: dict | str) -> None:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    await response.write(f"data: {payload}\n\n".encode())
