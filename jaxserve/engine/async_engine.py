@@ -169,6 +169,11 @@ class AsyncLLMEngine:
             while not self._stopping:
                 self._drain_inbox()
                 if not engine.has_unfinished_requests():
+                    pending = engine.flush_stats()
+                    if pending is not None:
+                        self._loop.call_soon_threadsafe(
+                            self._publish, [], (engine.scheduler_stats(), pending)
+                        )
                     self._wakeup.wait()
                     self._wakeup.clear()
                     continue

@@ -78,6 +78,7 @@ class LLMEngine:
         self._child_to_parent: dict[str, str] = {}
         self._last_token_time: dict[str, float] = {}  # child id -> when its last token came out
         self.iteration_stats = IterationStats()  # of the last step
+        self._between_steps = IterationStats()  # aborts since the last step, counted with the next
         self._seed_rng = np.random.default_rng(config.model_config.seed)
         self._counter = itertools.count()
         mc = config.model_config
@@ -205,6 +206,7 @@ class LLMEngine:
             self.scheduler.finish_requests(
                 [c.request_id for c in parent.children], RequestStatus.FINISHED_ABORTED
             )
+            self._record_finished(self._between_steps, parent, time.monotonic())
             self._forget(parent)
 
     def abort_all(self) -> None:
@@ -221,7 +223,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns a RequestOutput for every request that changed."""
         sched = self.scheduler.schedule()
-        self.iteration_stats = stats = IterationStats(num_scheduled_tokens=sched.num_tokens)
+        self.iteration_stats = stats = self._between_steps
+        stats.num_scheduled_tokens = sched.num_tokens
+        self._between_steps = IterationStats()
         if sched.is_empty:
             return []
         try:
@@ -302,6 +306,14 @@ class LLMEngine:
                 raise EngineDeadError(f"cannot rebuild the KV cache after a failed step: {e}") from e
             self.scheduler.drop_all_kv()
         return outputs
+
+    def flush_stats(self) -> IterationStats | None:
+        """Stats of what happened since the last step (aborts), if anything; for an idle
+        engine, which has no next step to carry them."""
+        if not self._between_steps.finished:
+            return None
+        stats, self._between_steps = self._between_steps, IterationStats()
+        return stats
 
     def scheduler_stats(self) -> SchedulerStats:
         s = self.scheduler

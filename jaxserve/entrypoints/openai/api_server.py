@@ -17,6 +17,7 @@ import logging.config
 import os
 import ssl
 import sys
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
@@ -67,10 +68,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error_response(str(e), 400, getattr(e, "param", None))
     except ModelNotFound as e:
         return error_response(str(e), 404, "model")
-    except web.HTTPRequestEntityTooLarge as e:
-        return error_response(
-            f"The request body is too large ({e.actual_size} bytes; limit {e.max_size}).", 413
-        )
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app._client_max_size
+        return error_response(f"The request body is too large (the limit is {limit} bytes).", 413)
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -343,12 +343,8 @@ def build_app(
 
 
 async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
-    request_id = request.headers.get("X-Request-Id") or request.get("request_id")
-    if request_id is None:
-        import uuid
-
-        request_id = request["request_id"] = uuid.uuid4().hex
-    response.headers["X-Request-Id"] = request_id
+    """--enable-request-id-headers: the client's X-Request-Id back, or a fresh one."""
+    response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
 
 
 def _periodic_stats(stats_logger: StatsLogger):

@@ -1,0 +1,82 @@
+"""A real jaxserve HTTP server on loopback, over one tiny engine shared by the module.
+
+`make_server(**server_args)` starts build_app on a TestServer (a real port, handler
+cancellation on client disconnect, as in production) with a fresh AsyncLLMEngine thread
+over the shared LLMEngine; the thread stops when the test ends.
+"""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp import ClientSession
+from aiohttp.test_utils import TestServer
+from tiny_models import engine_kwargs
+
+from jaxserve.args import EngineArgs
+from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.entrypoints.openai.api_server import build_app
+from jaxserve.entrypoints.openai.server_args import ServerArgs
+from jaxserve.sampling_params import SamplingParams
+
+MODEL = "tiny"
+MAX_TOKENS = 12
+_WORDS = "The quick brown fox jumps over the lazy dog Paris is capital of France JAX compiles".split()
+# 32 distinct prompts of different lengths.
+PROMPTS = [" ".join(_WORDS[i % 7 : i % 7 + 2 + i % 9]) + f" {i}" for i in range(32)]
+
+
+@pytest.fixture(scope="session")
+def llm_engine(tiny_llama_gqa) -> LLMEngine:
+    args = EngineArgs(model=tiny_llama_gqa[0], served_model_name=[MODEL, "tiny-alias"], **engine_kwargs())
+    return LLMEngine.from_engine_args(args)
+
+
+@pytest.fixture(scope="session")
+def reference(llm_engine) -> dict[str, tuple[str, list[int]]]:
+    """Greedy (text, token ids) of every prompt in PROMPTS, from the engine driven offline
+    before any server thread owns it."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    for i, prompt in enumerate(PROMPTS):
+        llm_engine.add_request(f"ref-{i}", prompt, params)
+    done = {}
+    while llm_engine.has_unfinished_requests():
+        for out in llm_engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return {
+        p: (done[f"ref-{i}"].outputs[0].text, done[f"ref-{i}"].outputs[0].token_ids)
+        for i, p in enumerate(PROMPTS)
+    }
+
+
+@pytest.fixture
+async def make_server(llm_engine, reference):
+    servers = []
+
+    async def start(max_body_bytes: int | None = None, ssl=None, **server_args) -> TestServer:
+        engine = AsyncLLMEngine(llm_engine)
+        kwargs = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
+        app = build_app(engine, ServerArgs(**{"disable_log_stats": True, **server_args}), **kwargs)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server(ssl=ssl)
+        server.engine = engine
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        await server.close()
+    assert not llm_engine.has_unfinished_requests(), "a test left requests in the engine"
+
+
+@pytest.fixture
+async def server(make_server) -> TestServer:
+    return await make_server()
+
+
+@pytest.fixture
+async def http(server):
+    """(session, base url) of the default server."""
+    async with ClientSession() as session:
+        yield session, str(server.make_url("/"))
