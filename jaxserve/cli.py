@@ -1,10 +1,11 @@
-"""The `jaxserve` command line: `jaxserve generate ...` and `jaxserve chat ...`.
+"""The `jaxserve` command line: `jaxserve serve ...`, `jaxserve generate ...` and `jaxserve chat ...`.
 
 Where it sits: at the very front, before `args.py`. It turns a vLLM-style command line (and a
-vLLM-style `--config` YAML file) into `EngineArgs` plus `SamplingParams`, then drives the offline
-`LLM` API. The engine flags are derived from the `EngineArgs` dataclass, so a field added there
-becomes a flag here with no edit; `add_engine_args` / `engine_args_from_namespace` are what a
-server command or a benchmark reuses.
+vLLM-style `--config` YAML file) into `EngineArgs` plus `ServerArgs` (serve) or `SamplingParams`
+(generate, chat), then starts the server or drives the offline `LLM` API. The flags are derived
+from the `EngineArgs` and `ServerArgs` dataclasses, so a field added there becomes a flag here
+with no edit; `add_engine_args` / `engine_args_from_namespace` are what a benchmark reuses, and
+`make_serve_parser` / `serve_args_from_namespace` what the server's `python -m` form reuses.
 
 Bad input never ends in a traceback: argparse refuses malformed flags, and any ValueError raised
 while the engine is built or a request is checked becomes one line, `jaxserve: error: ...`, with
@@ -22,73 +23,11 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from jaxserve.args import BLOCK_SIZES, DTYPES, LOAD_FORMATS, EngineArgs, parse_model_len
+from jaxserve.args import ANY, GROUPS, EngineArgs, field_default, flag_name, parse_model_len
+from jaxserve.entrypoints.openai.server_args import ServerArgs, validate_server_args
 from jaxserve.sampling_params import SamplingParams
 
 PROG = "jaxserve"
-
-# vLLM's value lists for flags whose choices args.py has no constant for. The full vLLM list is
-# offered so that an existing command line parses; EngineArgs then refuses, by name, the values
-# jaxserve cannot honour yet (rather than argparse calling them "invalid").
-_VLLM_CHOICES: dict[str, Sequence[Any]] = {
-    "dtype": tuple(DTYPES),
-    "load_format": LOAD_FORMATS,
-    "block_size": BLOCK_SIZES,
-    "tokenizer_mode": ("auto", "slow", "mistral", "custom"),
-    "kv_cache_dtype": ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"),
-    "prefix_caching_hash_algo": ("builtin", "sha256"),
-    "scheduling_policy": ("fcfs", "priority"),
-    "preemption_mode": ("recompute", "swap"),
-}
-
-_SHORT_FLAGS = {
-    "tensor_parallel_size": "-tp",
-    "data_parallel_size": "-dp",
-    "pipeline_parallel_size": "-pp",
-    "compilation_config": "-O",
-}
-
-# One line per flag for --help; a field missing here still gets a flag (named after the field).
-_HELP = {
-    "model": "HF repo id (local HF cache only), model directory or .gguf file; unset = the default "
-    "model (SmolLM2-135M-Instruct).",
-    "served_model_name": "Name(s) the model answers to in the API.",
-    "tokenizer": "Tokenizer directory or .gguf file; unset = the model's.",
-    "tokenizer_mode": "Tokenizer implementation.",
-    "revision": "Model revision in the local HF cache.",
-    "tokenizer_revision": "Tokenizer revision in the local HF cache.",
-    "trust_remote_code": "Trust custom code of a HF checkpoint.",
-    "hf_overrides": "JSON object merged into the HF config before the model is built.",
-    "dtype": "Weight and activation dtype; auto = the checkpoint's (float32 on CPU).",
-    "max_model_len": "Context length (prompt + output); accepts 2048, 1k, 1K, 25.6k. Unset = the "
-    "model's max_position_embeddings.",
-    "seed": "Engine random seed.",
-    "load_format": "Weight format; auto picks from the file; dummy = random weights.",
-    "use_tqdm_on_load": "Show a progress bar while loading weights.",
-    "generation_config": "Where to read default sampling settings from.",
-    "override_generation_config": "JSON object overriding the generation config.",
-    "max_logprobs": "Largest logprobs a request may ask for.",
-    "skip_tokenizer_init": "Do not load a tokenizer (token-id prompts only).",
-    "enforce_eager": "Compile shapes lazily on first use instead of precompiling every bucket.",
-    "max_seq_len_to_capture": "Longest context covered by the precompiled buckets.",
-    "compilation_config": 'JSON object: token_buckets, seq_buckets, cache_dir (e.g. \'{"cache_dir": ""}\').',
-    "block_size": "Tokens per KV-cache page; unset = the platform default (16).",
-    "gpu_memory_utilization": "Share of accelerator memory for weights and KV pages.",
-    "num_gpu_blocks_override": "Exact number of KV-cache pages (overrides the memory budget).",
-    "swap_space": "GiB of host memory for preempted KV pages.",
-    "kv_cache_dtype": "KV-cache dtype.",
-    "enable_prefix_caching": "Reuse KV pages of shared prompt prefixes.",
-    "prefix_caching_hash_algo": "Hash used for prefix-cache keys.",
-    "max_num_batched_tokens": "Token budget of one engine step; unset = per platform (2048 CPU, 8192 else).",
-    "max_num_seqs": "Most sequences in one engine step.",
-    "enable_chunked_prefill": "Split long prompts across steps.",
-    "long_prefill_token_threshold": "Prompts longer than this count as long prefills (0 = off).",
-    "scheduling_policy": "fcfs, or priority (lower value first, then arrival).",
-    "preemption_mode": "How a preempted sequence gets its KV pages back.",
-    "tensor_parallel_size": "Devices on the 'model' mesh axis.",
-    "data_parallel_size": "Replicas on the 'data' mesh axis.",
-    "pipeline_parallel_size": "Pipeline stages.",
-}
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -130,20 +69,43 @@ def _model_len(value: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _json_value(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from None
+
+
+def _help(f: dataclasses.Field) -> str:
+    """The field's help, plus what its tier means for it, so --help never promises what is refused."""
+    meta = f.metadata
+    text, supported = meta["help"] or f.name.replace("_", " ") + ".", meta["supported"]
+    if meta["tier"] == "C":
+        text += " No effect in jaxserve."
+    elif supported is not ANY and (supported or meta["tier"] == "B"):
+        named = [str(v) for v in supported or () if v not in (None, False)]
+        text += f" jaxserve so far: {', '.join(named)}." if named else " jaxserve so far: only the default."
+    return text.replace("%", "%%")
+
+
 def _flag_kwargs(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
-    """argparse keyword arguments for one EngineArgs field, read off its type annotation."""
+    """argparse keyword arguments for one dataclass field, read off its type and `arg` metadata."""
     is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
     kinds = set(typing.get_args(hint)) if is_union else {hint}
     kinds.discard(type(None))
     origins = {typing.get_origin(k) or k for k in kinds}
-    kw: dict[str, Any] = {"default": f.default, "help": _HELP.get(f.name, f.name.replace("_", " ") + ".")}
-    if kinds == {bool}:
+    kw: dict[str, Any] = {"default": field_default(f), "help": _help(f)}
+    if f.metadata["json_value"]:
+        kw["type"] = _json_value
+    elif kinds == {bool}:
         # --x/--no-x for every boolean, so that a command line can switch off what a --config set.
         kw["action"] = argparse.BooleanOptionalAction
     elif dict in origins:
         kw["type"] = _json_object
     elif list in origins:
+        item = next((typing.get_args(k) for k in kinds if typing.get_origin(k) is list), (str,))
         kw["nargs"] = "+"
+        kw["type"] = item[0] if item and item[0] in (int, float) else str
     elif f.name == "max_model_len":
         kw["type"] = _model_len
     elif int in kinds:
@@ -152,15 +114,28 @@ def _flag_kwargs(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
         kw["type"] = float
     else:
         kw["type"] = str
-    if f.name in _VLLM_CHOICES:
-        kw["choices"] = _VLLM_CHOICES[f.name]
+    if f.metadata["choices"] is not None:
+        kw["choices"] = f.metadata["choices"]
+    kw.update(f.metadata["argparse"])
+    if kw.get("action") == "append":  # one value per occurrence, as vLLM's --middleware
+        kw.pop("nargs", None)
     return kw
 
 
-def add_engine_args(
-    parser: argparse.ArgumentParser, model_positional: bool = True
-) -> argparse.ArgumentParser:
-    """Add one flag per EngineArgs field (vLLM spelling) plus --config, and the positional MODEL."""
+def _add_flags(parser: argparse.ArgumentParser, classes: Sequence[type]) -> None:
+    """One flag per `arg` field of `classes` (vLLM spelling, plus its short form), in vLLM's groups."""
+    fields = [(cls, f) for cls in classes for f in dataclasses.fields(cls) if f.metadata]
+    titles = {f.metadata["group"] for _, f in fields}
+    groups = {
+        t: parser.add_argument_group(t) for t in [*GROUPS, *sorted(titles - set(GROUPS))] if t in titles
+    }
+    hints = {cls: typing.get_type_hints(cls) for cls in classes}
+    for cls, f in fields:
+        flags = [flag_name(f.name)] + ([f.metadata["short"]] if f.metadata["short"] else [])
+        groups[f.metadata["group"]].add_argument(*flags, dest=f.name, **_flag_kwargs(f, hints[cls][f.name]))
+
+
+def _add_model_and_config(parser: argparse.ArgumentParser, model_positional: bool) -> None:
     if model_positional:
         parser.add_argument(
             "model_tag", nargs="?", default=None, metavar="MODEL", help="The model; same as --model."
@@ -171,15 +146,23 @@ def add_engine_args(
         metavar="FILE.yaml",
         help="YAML mapping of flag names (underscores or dashes) to values; command-line flags override it.",
     )
-    group = parser.add_argument_group("engine arguments")
-    hints = typing.get_type_hints(EngineArgs)
-    for f in dataclasses.fields(EngineArgs):
-        if f.name == "extra":
-            continue
-        flags = ["--" + f.name.replace("_", "-")]
-        if f.name in _SHORT_FLAGS:
-            flags.append(_SHORT_FLAGS[f.name])
-        group.add_argument(*flags, dest=f.name, **_flag_kwargs(f, hints[f.name]))
+
+
+def add_engine_args(
+    parser: argparse.ArgumentParser, model_positional: bool = True
+) -> argparse.ArgumentParser:
+    """Add one flag per EngineArgs field (vLLM spelling) plus --config, and the positional MODEL."""
+    _add_model_and_config(parser, model_positional)
+    _add_flags(parser, [EngineArgs])
+    return parser
+
+
+def make_serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `vllm serve` command line on `parser`: MODEL, --config, the front-end (ServerArgs) and
+    engine (EngineArgs) flags. `jaxserve serve` and `python -m jaxserve.entrypoints.openai.api_server`
+    share it."""
+    _add_model_and_config(parser, model_positional=True)
+    _add_flags(parser, [ServerArgs, EngineArgs])
     return parser
 
 
@@ -194,6 +177,19 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
             )
         kwargs["model"] = positional
     return EngineArgs(**kwargs)
+
+
+def serve_args_from_namespace(ns: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:
+    """The EngineArgs and ServerArgs a parsed serve command line asks for, both validated: a value
+    jaxserve cannot honour is refused (ValueError) before any model load, and each flag without
+    effect is warned about once."""
+    engine_args = engine_args_from_namespace(ns)
+    server_args = ServerArgs(
+        **{name: getattr(ns, name) for name in ServerArgs.field_names() if hasattr(ns, name)}
+    )
+    engine_args.validate()
+    validate_server_args(server_args)
+    return engine_args, server_args
 
 
 def make_llm(engine_args: EngineArgs):
@@ -239,15 +235,17 @@ def _config_argv(path: str, parser: argparse.ArgumentParser, skip: frozenset[str
             continue
         if isinstance(action, argparse.BooleanOptionalAction):
             argv.append(flag if value else "--no-" + flag[2:])
-        elif action.nargs == 0:  # store_true
+        elif action.nargs == 0 or (action.nargs == "?" and value is True):  # a bare flag
             if value:
                 argv.append(flag)
         elif isinstance(value, dict):
             argv.append(f"{flag}={json.dumps(value)}")
         elif isinstance(value, list) and isinstance(action, argparse._AppendAction):
             argv += [f"{flag}={item}" for item in value]
-        elif isinstance(value, list):
+        elif isinstance(value, list) and action.nargs in ("+", "*"):
             argv += [flag, *(str(v) for v in value)]
+        elif isinstance(value, list):  # a flag that takes one JSON value
+            argv.append(f"{flag}={json.dumps(value)}")
         else:
             argv.append(f"{flag}={value}")
     return argv
@@ -438,6 +436,13 @@ def _run_chat(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _run_serve(ns: argparse.Namespace) -> int:
+    engine_args, server_args = serve_args_from_namespace(ns)  # refuse bad flags before any load
+    from jaxserve.entrypoints.openai import api_server
+
+    return api_server.run_server(engine_args, server_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxserve import __version__
 
@@ -449,6 +454,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve",
+        help="Serve a model over an OpenAI-compatible HTTP API.",
+        description="Start the OpenAI-compatible server; the flags are vLLM's (`vllm serve`).",
+        usage="%(prog)s [MODEL] [options]",
+        formatter_class=_Formatter,
+        allow_abbrev=False,
+    )
+    make_serve_parser(serve)
+    serve.set_defaults(func=_run_serve)
 
     gen = sub.add_parser(
         "generate",
@@ -481,6 +497,23 @@ def build_parser() -> argparse.ArgumentParser:
         chat, temperature=0.7, max_tokens_help="Most tokens per answer; unset = until EOS or max_model_len."
     )
     chat.set_defaults(func=_run_chat)
+
+    from jaxserve.benchmarks import serving as bench_serving
+
+    bench = sub.add_parser(
+        "bench", help="Benchmark a running server.", description="Benchmarks, as `vllm bench`."
+    )
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    serve_bench = bench_sub.add_parser(
+        "serve",
+        help="Latency and throughput of an OpenAI-compatible server under load.",
+        description="vLLM's serving benchmark: random prompts at a request rate against any "
+        "OpenAI-compatible server (jaxserve or not).",
+        formatter_class=_Formatter,
+        allow_abbrev=False,
+    )
+    bench_serving.add_cli_args(serve_bench)
+    serve_bench.set_defaults(func=bench_serving.main)
     return parser
 
 

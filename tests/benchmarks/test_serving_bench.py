@@ -401,3 +401,11 @@ async def test_failing_test_request_exits_1(aiohttp_server, tokenizer_dir, capsy
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "test request" in err and "HTTP 500" in err
     assert len(fake.bodies) == 1  # nothing else was sent
+
+
+def test_jaxserve_bench_serve_runs_this_benchmark(capsys):
+    from jaxserve.cli import main as jaxserve_main
+
+    assert jaxserve_main(["bench", "serve", "--dataset-name", "sharegpt"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "sharegpt" in err and len(err.splitlines()) == 1

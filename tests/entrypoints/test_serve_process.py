@@ -1,0 +1,93 @@
+"""The server as users start it: a separate process from vLLM's module path, healthy after
+start-up, and on SIGTERM it lets a running stream finish and exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+from tiny_models import TEST_XLA_CACHE
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server_process(tiny_llama_gqa, tmp_path):
+    port = _free_port()
+    # fmt: off
+    cmd = [
+        sys.executable, "-m", "jaxserve.entrypoints.openai.api_server",
+        "--model", tiny_llama_gqa[0], "--served-model-name", "tiny",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--num-gpu-blocks-override", "64",
+        "--block-size", "8", "--enforce-eager", "--no-use-tqdm-on-load",
+        "--compilation-config", json.dumps({"cache_dir": TEST_XLA_CACHE}),
+    ]
+    # fmt: on
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"}
+    )
+    url = f"http://127.0.0.1:{port}/"
+    yield proc, url, log
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+async def _wait_healthy(proc, url: str, log, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise AssertionError(f"server exited with {proc.returncode}:\n{log.read()[-3000:]}")
+            try:
+                async with session.get(url + "health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientConnectionError:
+                pass
+            await asyncio.sleep(0.5)
+    raise AssertionError("server did not become healthy")
+
+
+async def test_sigterm_drains_running_requests_and_exits_0(server_process):
+    proc, url, log = server_process
+    await _wait_healthy(proc, url, log)
+    body = {
+        "model": "tiny",
+        "prompt": "The quick brown fox",
+        "max_tokens": 40,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "v1/completions", json=body) as r:
+            assert r.status == 200
+            first = await r.content.readuntil(b"\n\n")
+            assert first.startswith(b"data: {")
+            proc.send_signal(signal.SIGTERM)
+            rest = (await r.content.read()).decode()
+        events = [
+            json.loads(f[6:]) for f in (first.decode() + rest).split("\n\n") if f and f != "data: [DONE]"
+        ]
+        assert rest.endswith("data: [DONE]\n\n")
+        assert events[-1]["choices"][0]["finish_reason"] == "length"  # the stream ran to the end
+    assert proc.wait(timeout=60) == 0
+    with pytest.raises(aiohttp.ClientConnectionError):
+        async with aiohttp.ClientSession() as session:
+            await session.get(url + "health")

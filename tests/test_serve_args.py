@@ -1,0 +1,419 @@
+"""`jaxserve serve`: every vLLM flag parses (command line and --config YAML), --help shows it with
+vLLM's default, and its tier holds: A starts, B refuses a value jaxserve lacks in one line with
+exit code 2, C starts with one warning. No model is loaded: run_server is replaced."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+
+import pytest
+import yaml
+from serve_flags import ACCEPTED_B, FLAGS, NEEDS_SETUP, SHORT, argv_for, dest, long_flag
+from tiny_models import TINY_LLAMA
+
+from jaxserve.args import GROUPS, EngineArgs
+from jaxserve.cli import (
+    ArgumentParser,
+    build_parser,
+    main,
+    make_serve_parser,
+    parse_args,
+    serve_args_from_namespace,
+)
+from jaxserve.entrypoints.openai.server_args import ServerArgs, validate_server_args
+from jaxserve.layers.rotary import rope_parameters
+
+IDS = [row[0] for row in FLAGS]
+
+
+@pytest.fixture(scope="module")
+def parser():
+    return build_parser()
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """What `jaxserve serve` handed to run_server; run_server itself returns 17."""
+    calls = []
+
+    def run_server(engine_args, server_args):
+        calls.append((engine_args, server_args))
+        return 17
+
+    monkeypatch.setattr("jaxserve.entrypoints.openai.api_server.run_server", run_server)
+    return calls
+
+
+def _value(engine_args: EngineArgs, server_args: ServerArgs, flag: str):
+    name = dest(flag)
+    return getattr(server_args if name in ServerArgs.field_names() else engine_args, name)
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(("jaxserve: error: ", "jaxserve serve: error: "))
+    return lines[0]
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    """--help text -> {option string: that option's entry, whitespace collapsed}. An entry starts at a
+    line "  -..." and goes on over the lines indented deeper (the wrapped help)."""
+    entries = {}
+    for chunk in re.split(r"\n(?!   )", text):
+        if chunk.startswith("  -"):
+            invocation = re.split(r"\s{2,}", chunk.strip())[0]
+            for option in invocation.split(", "):
+                entries[option.split(" ")[0]] = " ".join(chunk.split())
+    return entries
+
+
+@pytest.fixture(scope="module")
+def serve_help():
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"].format_help()
+
+
+# ---- the table: help, command line, YAML, defaults --------------------------------------------
+
+
+def test_table_covers_every_flag_and_nothing_is_defined_twice():
+    engine, server = EngineArgs.field_names(), ServerArgs.field_names()
+    assert not engine & server
+    table = {dest(flag) for flag, *_ in FLAGS}
+    assert table <= engine | server
+    assert set(SHORT) <= {flag for flag, *_ in FLAGS}
+
+
+@pytest.mark.parametrize("flag, tier, default, value, expected", FLAGS, ids=IDS)
+def test_help_shows_flag_with_default(serve_help, flag, tier, default, value, expected):
+    entry = _help_entries(serve_help).get(flag)
+    assert entry is not None, f"{flag} missing from serve --help"
+    assert f"(default: {default})" in entry
+    if tier == "C":
+        assert "No effect in jaxserve" in entry
+
+
+def test_help_groups_follow_vllm(serve_help):
+    titles = [
+        line[:-1] for line in serve_help.splitlines() if line.endswith(":") and not line.startswith(" ")
+    ]
+    shown = [t for t in titles if t in GROUPS]
+    assert shown == list(GROUPS)  # all present, in vLLM's order
+    entries = _help_entries(serve_help)
+    assert "-tp" in entries and "-dp" in entries and "-pp" in entries and "-q" in entries and "-O" in entries
+
+
+def test_generate_help_has_the_engine_groups_but_no_frontend(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert "\nModelConfig:" in out and "\nSchedulerConfig:" in out
+    assert "\nFrontend:" not in out and "--api-key" not in out
+
+
+@pytest.mark.parametrize("flag, tier, default, value, expected", FLAGS, ids=IDS)
+def test_flag_parses_on_the_command_line(parser, flag, tier, default, value, expected):
+    ns = parse_args(parser, ["serve", *argv_for(flag, value)])
+    assert getattr(ns, dest(flag)) == expected
+    assert expected != default  # the row would prove nothing otherwise
+
+
+@pytest.mark.parametrize("spelling", ["underscores", "dashes"])
+@pytest.mark.parametrize("flag, tier, default, value, expected", [r for r in FLAGS if r[0] not in SHORT], ids=[
+    r[0] for r in FLAGS if r[0] not in SHORT
+])  # fmt: skip
+def test_flag_parses_from_yaml_config(parser, tmp_path, spelling, flag, tier, default, value, expected):
+    key = dest(flag) if spelling == "underscores" else long_flag(flag)[2:]
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({key: expected}))
+    ns = parse_args(parser, ["serve", "--config", str(config)])
+    assert getattr(ns, dest(flag)) == expected
+
+
+@pytest.mark.parametrize("flag, tier, default, value, expected", FLAGS, ids=IDS)
+def test_defaults_match_vllm(parser, flag, tier, default, value, expected):
+    ns = parse_args(parser, ["serve"])
+    assert getattr(ns, dest(flag)) == default
+    assert _value(EngineArgs(), ServerArgs(), flag) == default  # LLM(**kwargs) gets the same default
+
+
+def test_engine_flags_are_llm_keyword_arguments():
+    """vLLM's LLM(**kwargs) takes the engine flags; EngineArgs fields are exactly what LLM accepts."""
+    engine_rows = [r for r in FLAGS if dest(r[0]) in EngineArgs.field_names()]
+    args = EngineArgs(**{dest(flag): expected for flag, _, _, _, expected in engine_rows})
+    assert args.extra == {}
+    assert args.max_model_len == 1000 and args.rope_theta == 50000.0
+
+
+def test_command_line_overrides_yaml_and_yaml_lists(parser, tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "port: 9000\nallowed-origins: ['http://a']\nmiddleware: [x.a, x.b]\nhf_token: true\n"
+        "served_model_name: [m1, m2]\nrope_scaling: {rope_type: dynamic, factor: 2.0}\n"
+    )
+    ns = parse_args(parser, ["serve", "--config", str(config), "--port", "9001", "my-model"])
+    assert ns.port == 9001 and ns.model_tag == "my-model"
+    assert ns.allowed_origins == ["http://a"] and ns.middleware == ["x.a", "x.b"]
+    assert ns.hf_token is True and ns.served_model_name == ["m1", "m2"]
+    assert ns.rope_scaling == {"rope_type": "dynamic", "factor": 2.0}
+
+
+# ---- tiers: what starts, what is refused, what warns -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [(f, v, e) for f, t, _, v, e in FLAGS if t == "A" and f not in NEEDS_SETUP],
+    ids=[f for f, t, *_ in FLAGS if t == "A" and f not in NEEDS_SETUP],
+)
+def test_tier_a_flag_reaches_run_server(served, caplog, flag, value, expected):
+    assert main(["serve", *argv_for(flag, value)]) == 17
+    (engine_args, server_args), *rest = served
+    assert not rest
+    assert _value(engine_args, server_args, flag) == expected
+    assert _warnings(caplog) == []
+
+
+@pytest.mark.parametrize(
+    "flag, value", [(f, v) for f, t, _, v, _ in FLAGS if t == "C"], ids=[f for f, t, *_ in FLAGS if t == "C"]
+)
+def test_tier_c_flag_warns_once_and_starts(served, caplog, flag, value):
+    caplog.set_level(logging.WARNING)
+    assert main(["serve", *argv_for(flag, value)]) == 17
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1, warnings
+    assert long_flag(flag) in warnings[0] and "no effect in jaxserve" in warnings[0]
+
+
+def test_tier_c_warnings_are_logged_once_per_engine_args(caplog):
+    caplog.set_level(logging.WARNING)
+    args = EngineArgs(num_scheduler_steps=8, device="cpu", tokenizer_pool_size=2)
+    args.validate()
+    args.validate()  # create_engine_config validates again; the log must not repeat
+    assert sorted(w.split()[0] for w in _warnings(caplog)) == ["--device", "--num-scheduler-steps",
+                                                                "--tokenizer-pool-size"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [(f, v) for f, t, _, v, _ in FLAGS if t == "B" and f not in ACCEPTED_B],
+    ids=[f for f, t, *_ in FLAGS if t == "B" and f not in ACCEPTED_B],
+)
+def test_tier_b_value_is_refused_in_one_line(served, capsys, flag, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", *argv_for(flag, value)])
+    assert exc.value.code == 2
+    assert long_flag(flag) in _error_line(capsys)
+    assert served == []  # refused before anything is built
+
+
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [(f, v, e) for f, t, _, v, e in FLAGS if f in ACCEPTED_B],
+    ids=[f for f, *_ in FLAGS if f in ACCEPTED_B],
+)
+def test_tier_b_values_jaxserve_honours_start(served, caplog, flag, value, expected):
+    assert main(["serve", *argv_for(flag, value)]) == 17
+    assert _value(*served[0], flag) == expected
+    assert _warnings(caplog) == []
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--tokenizer-mode", "mistral"], "--tokenizer-mode"),
+        (["--tokenizer-mode", "custom"], "--tokenizer-mode"),
+        (["--task", "embed"], "--task"),
+        (["--model-impl", "transformers"], "--model-impl"),
+        (["--config-format", "mistral"], "--config-format"),
+        (["--load-format", "pt"], "--load-format"),
+        (["--rope-scaling", '{"rope_type": "yarn", "factor": 4.0}'], "yarn"),
+        (["--rope-scaling", '{"rope_type": "linear"}'], "factor"),
+        (["--rope-theta", "0"], "--rope-theta"),
+        (["--max-parallel-loading-workers", "0"], "max_parallel_loading_workers"),
+        (["--swap-space", "-1"], "swap_space"),
+        (["--port", "70000"], "--port"),
+        (["--ssl-keyfile", "key.pem"], "--ssl-certfile"),
+        (["--chat-template", "missing.jinja"], "--chat-template"),
+        (["--allowed-origins", '"*"'], "--allowed-origins"),
+        (["--max-log-len", "-1"], "--max-log-len"),
+        (["--worker-use-ray"], "--distributed-executor-backend ray"),
+        (["--model", "a", "b"], "model"),
+        (["--uvicorn-log-level", "loud"], "--uvicorn-log-level"),
+        (["--hf-overrides", "[1]"], "--hf-overrides"),
+    ],
+)
+def test_values_jaxserve_refuses_exit_2_with_one_line(served, capsys, flags, named):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", *flags])
+    assert exc.value.code == 2
+    assert named in _error_line(capsys)
+    assert served == []
+
+
+@pytest.mark.parametrize("backend", ["mp", "uni"])
+def test_one_host_executor_backends_are_accepted(served, backend):
+    assert main(["serve", "--distributed-executor-backend", backend]) == 17
+    assert served[0][0].distributed_executor_backend == backend
+
+
+# ---- serve wiring -------------------------------------------------------------------------------
+
+
+def test_serve_hands_validated_args_to_run_server(served):
+    assert main(["serve", "org/model", "--port", "0", "--max-num-seqs", "4", "--api-key", "k"]) == 17
+    engine_args, server_args = served[0]
+    assert isinstance(engine_args, EngineArgs) and isinstance(server_args, ServerArgs)
+    assert engine_args.model == "org/model" and engine_args.max_num_seqs == 4
+    assert server_args.port == 0 and server_args.api_key == "k"
+    assert main(["serve", "--model", "other/model"]) == 17
+    assert served[1][0].model == "other/model"
+
+
+def test_hf_token_without_a_value_means_true(served):
+    assert main(["serve", "--hf-token"]) == 17
+    assert served[0][0].hf_token is True
+
+
+def test_module_form_reuses_the_serve_parser(tmp_path):
+    parser = make_serve_parser(ArgumentParser(prog="api_server", allow_abbrev=False))
+    config = tmp_path / "c.yaml"
+    config.write_text("max-num-seqs: 5\nhost: 127.0.0.1\n")
+    ns = parse_args(parser, ["my-model", "--config", str(config), "-tp", "1"])
+    engine_args, server_args = serve_args_from_namespace(ns)
+    assert engine_args.model == "my-model" and engine_args.max_num_seqs == 5
+    assert server_args.host == "127.0.0.1"
+
+
+def test_tls_and_log_config_files_are_checked_before_start(served, tmp_path, capsys):
+    key, cert, ca, log_config = (tmp_path / n for n in ("key.pem", "cert.pem", "ca.pem", "logging.json"))
+    for path in (key, cert, ca):
+        path.write_text("-----BEGIN-----\n")
+    log_config.write_text(json.dumps({"version": 1}))
+    tls = ["--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--ssl-ca-certs", str(ca)]
+    argv = [
+        "serve",
+        *tls,
+        "--ssl-cert-reqs",
+        "2",
+        "--enable-ssl-refresh",
+        "--log-config-file",
+        str(log_config),
+    ]
+    assert main(argv) == 17
+    server_args = served[0][1]
+    assert server_args.ssl_cert_reqs == 2 and server_args.enable_ssl_refresh
+    assert server_args.ssl_keyfile == str(key) and server_args.log_config_file == str(log_config)
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--ssl-certfile", str(tmp_path / "missing.pem")])
+    assert exc.value.code == 2 and "missing.pem" in _error_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        ({"port": -1}, "--port"),
+        ({"uvicorn_log_level": "loud"}, "--uvicorn-log-level"),
+        ({"chat_template_content_format": "html"}, "--chat-template-content-format"),
+        ({"ssl_cert_reqs": 3}, "--ssl-cert-reqs"),
+        ({"ssl_ca_certs": "ca.pem"}, "--ssl-certfile"),
+        ({"enable_ssl_refresh": True}, "--ssl-certfile"),
+        ({"allowed_methods": "GET"}, "--allowed-methods"),
+        ({"response_role": ""}, "--response-role"),
+        ({"headless": True}, "--headless"),
+        ({"api_server_count": 4}, "--api-server-count"),
+    ],
+)
+def test_validate_server_args_refuses_in_one_line(kwargs, named):
+    with pytest.raises(ValueError) as exc:
+        validate_server_args(ServerArgs(**kwargs))
+    message = str(exc.value)
+    assert named in message and "\n" not in message
+
+
+def test_validate_server_args_accepts_the_defaults_and_port_0(caplog):
+    validate_server_args(ServerArgs())
+    validate_server_args(ServerArgs(port=0, chat_template="{{ x }}"))
+    assert _warnings(caplog) == []
+
+
+# ---- flags that change how the model's config is resolved (a config.json, no weights) ----------
+
+
+def _checkpoint(path, **config):
+    """A model directory as far as config resolution goes: config.json and an (empty) weight file."""
+    path.mkdir(parents=True, exist_ok=True)
+    hf = {
+        **TINY_LLAMA,
+        "architectures": ["LlamaForCausalLM"],
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},  # transformers 5 spelling
+        **config,
+    }
+    (path / "config.json").write_text(json.dumps(hf))
+    (path / "model.safetensors").write_bytes(b"")
+    return str(path)
+
+
+def test_rope_flags_replace_the_checkpoint_rope(tmp_path):
+    model = _checkpoint(tmp_path / "m")
+    scaling = {"rope_type": "dynamic", "factor": 2.0}
+    hf = EngineArgs(model=model, rope_scaling=scaling, rope_theta=50000.0).create_engine_config()
+    params = rope_parameters(hf.model_config.hf_config)
+    assert params["rope_type"] == "dynamic" and params["factor"] == 2.0 and params["rope_theta"] == 50000.0
+    # The older spelling (no rope_parameters) and a JSON string, as LLM(rope_scaling='...') passes it.
+    old = _checkpoint(tmp_path / "old", rope_parameters=None, rope_theta=10000.0)
+    hf = EngineArgs(model=old, rope_scaling='{"type": "linear", "factor": 4}').create_engine_config()
+    params = rope_parameters(hf.model_config.hf_config)
+    assert params["rope_type"] == "linear" and params["factor"] == 4 and params["rope_theta"] == 10000.0
+
+
+def test_hf_config_path_replaces_the_model_config(tmp_path):
+    model = _checkpoint(tmp_path / "m")
+    other = _checkpoint(tmp_path / "other", max_position_embeddings=96)
+    config = EngineArgs(model=model, hf_config_path=other).create_engine_config()
+    assert config.model_config.max_model_len == 96
+    assert config.model_config.model == model
+
+
+def test_download_dir_is_the_hf_cache_hub_ids_resolve_from(tmp_path):
+    repo = tmp_path / "cache" / "models--org--tiny"
+    snapshot = _checkpoint(repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    config = EngineArgs(model="org/tiny", download_dir=str(tmp_path / "cache")).create_engine_config()
+    assert os.path.samefile(config.model_config.model, snapshot)
+    with pytest.raises(ValueError, match="local Hugging Face cache"):
+        EngineArgs(model="org/tiny", download_dir=str(tmp_path / "elsewhere")).create_engine_config()
+
+
+def test_disable_sliding_window_caps_max_model_len(tmp_path):
+    model = _checkpoint(tmp_path / "m", sliding_window=64)
+    assert (
+        EngineArgs(model=model, disable_sliding_window=True).create_engine_config().model_config.max_model_len
+        == 64
+    )
+    with pytest.raises(ValueError, match="sliding_window"):
+        EngineArgs(model=model, disable_sliding_window=True, max_model_len=128).create_engine_config()
+
+
+def test_ignore_patterns_may_not_exclude_the_weights(tmp_path):
+    model = _checkpoint(tmp_path / "m")
+    EngineArgs(model=model, ignore_patterns=["original/*", "*.pt"]).create_engine_config()
+    with pytest.raises(ValueError, match="model.safetensors"):
+        EngineArgs(model=model, ignore_patterns="*.safetensors").create_engine_config()
+
+
+def test_gguf_quantization_needs_a_gguf_file(tmp_path):
+    with pytest.raises(ValueError, match="quantization='gguf'"):
+        EngineArgs(model=_checkpoint(tmp_path / "m"), quantization="gguf").create_engine_config()
