@@ -750,5 +750,6 @@ class EngineArgs:
                 token_buckets=tuple(comp["token_buckets"]) if "token_buckets" in comp else None,
                 seq_buckets=tuple(comp["seq_buckets"]) if "seq_buckets" in comp else None,
                 cache_dir=comp.get("cache_dir"),
+                min_token_bucket=1 if _platform() == "cpu" else 16,
             ),
         )

@@ -85,6 +85,7 @@ class CompilationConfig:
     # Explicit bucket lists (None: derived from the scheduler limits in runner/bucketing.py).
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
+    min_token_bucket: int = 16  # smallest derived token bucket (1 on CPU, see runner/bucketing.py)
     # JAX persistent compilation cache: None = the default dir under ~/.cache, "" = off.
     cache_dir: str | None = None
 

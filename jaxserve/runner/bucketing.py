@@ -2,7 +2,10 @@
 
 A step is padded to a (num_tokens, num_seqs) bucket. Every bucket is compiled once at
 start-up, so a running server never compiles; fewer buckets mean a faster start, more
-buckets mean less padding. Token buckets are powers of two up to max_num_batched_tokens.
+buckets mean less padding. Token buckets are powers of two, from the compilation config's
+min_token_bucket up to max_num_batched_tokens. On CPU the smallest is 1: XLA:CPU multiplies
+a single row by the weights about four times faster than 16 rows, so a lone decode must
+not be padded to 16; accelerators process 16 rows as fast as one, and start at 16.
 By default each token bucket T has one sequence bucket, min(T, max_num_seqs): the rows
 padded that way cost only the LM head and the sampler, a few percent of a step, while a
 second sequence dimension would multiply start-up compilation. The compilation config
@@ -15,8 +18,6 @@ import bisect
 from dataclasses import dataclass
 
 from jaxserve.config import CompilationConfig, SchedulerConfig
-
-MIN_TOKEN_BUCKET = 16
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:
@@ -36,7 +37,7 @@ class Buckets:
     @classmethod
     def from_config(cls, sched: SchedulerConfig, comp: CompilationConfig) -> Buckets:
         max_tokens, max_seqs = sched.max_num_batched_tokens, sched.max_num_seqs
-        tokens = comp.token_buckets or _powers_of_two(min(MIN_TOKEN_BUCKET, max_tokens), max_tokens)
+        tokens = comp.token_buckets or _powers_of_two(min(comp.min_token_bucket, max_tokens), max_tokens)
         tokens = sorted(set(tokens))
         seqs = sorted(set(comp.seq_buckets or {min(t, max_seqs) for t in tokens}))
         if tokens[-1] < max_tokens or seqs[-1] < max_seqs:
