@@ -25,6 +25,9 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
 
+_ZERO = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+
+
 def _token_buckets(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's buckets for token counts."""
     out, exponent = [], 0
@@ -91,7 +94,7 @@ class EngineMetrics:
             "Generated tokens per finished request.",
             _token_buckets(max_model_len),
         )
-        self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+        self._last = _ZERO
 
     def record(self, sched: SchedulerStats, it: IterationStats) -> None:
         self.num_requests_running.set(sched.num_running)
@@ -127,14 +130,14 @@ class StatsLogger:
         self._since = time.monotonic()
         self._prompt_tokens = 0
         self._generation_tokens = 0
-        self._last: SchedulerStats | None = None
-        self._window_start: SchedulerStats | None = None
+        self._last = _ZERO  # the newest snapshot
+        self._window_start: SchedulerStats | None = None  # the snapshot before the window's first step
 
     def record(self, sched: SchedulerStats, it: IterationStats) -> None:
         self._prompt_tokens += it.num_prompt_tokens
         self._generation_tokens += it.num_generation_tokens
         if self._window_start is None:
-            self._window_start = self._last or sched
+            self._window_start = self._last
         self._last = sched
 
     def line(self) -> str | None:
@@ -144,7 +147,7 @@ class StatsLogger:
         elapsed, self._since = max(now - self._since, 1e-9), now
         sched, start = self._last, self._window_start
         self._window_start = None
-        if sched is None or start is None:
+        if start is None:
             return None
         queries = sched.prefix_cache_queries - start.prefix_cache_queries
         hits = sched.prefix_cache_hits - start.prefix_cache_hits

@@ -3,6 +3,7 @@ load tracking, chat templates and the response role."""
 
 from __future__ import annotations
 
+import logging
 import ssl
 
 import pytest
@@ -92,6 +93,22 @@ async def test_tls_with_a_self_signed_certificate(make_server, tmp_path, session
         async with session.get(url + "health", ssl=ssl.create_default_context()):
             pass
 
+    # --ssl-ca-certs with --ssl-cert-reqs 2 (CERT_REQUIRED): only clients with a certificate
+    # signed by that CA get in.
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    strict = ServerArgs(
+        ssl_keyfile=str(key_file), ssl_certfile=str(cert_file), ssl_ca_certs=str(ca_file), ssl_cert_reqs=2
+    )
+    server = await make_server(ssl=ssl_context(strict))
+    url = str(server.make_url("/"))
+    with pytest.raises(Exception):  # noqa: B017 - the handshake fails with a version-dependent error
+        async with session.get(url + "health", ssl=client_ctx) as r:
+            await r.read()
+    ca.issue_cert("client@example").configure_cert(client_ctx)
+    async with session.get(url + "health", ssl=client_ctx) as r:
+        assert r.status == 200
+
 
 async def test_root_path_request_ids_load_and_docs(make_server, session):
     server = await make_server(
@@ -156,3 +173,23 @@ async def test_chat_template_flag_content_format_and_role(make_server, session, 
         tokens = (await r.json())["tokens"]
     async with session.post(url + "detokenize", json={"tokens": tokens}) as r:
         assert (await r.json())["prompt"] == "<hi>"
+
+
+async def test_request_log_honours_max_log_len(make_server, session, caplog):
+    server = await make_server(max_log_len=5)
+    url = str(server.make_url("/"))
+    with caplog.at_level(logging.INFO, logger="jaxserve.entrypoints.openai"):
+        async with session.post(
+            url + "v1/completions", json={"prompt": "Paris is the capital", "max_tokens": 1}
+        ):
+            pass
+    (line,) = [r.getMessage() for r in caplog.records if "Received request" in r.getMessage()]
+    assert "'Paris'" in line and "capital" not in line
+    quiet = await make_server(disable_log_requests=True)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="jaxserve.entrypoints.openai"):
+        async with session.post(
+            str(quiet.make_url("/v1/completions")), json={"prompt": "a", "max_tokens": 1}
+        ):
+            pass
+    assert not [r for r in caplog.records if "Received request" in r.getMessage()]
