@@ -245,13 +245,7 @@ class _Routes:
         serving = self.chat
         serving.model_name(body.model)
         if isinstance(body, TokenizeChatRequest):
-            text = serving.render_chat(
-                body.messages,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                chat_template=body.chat_template,
-                chat_template_kwargs=body.chat_template_kwargs,
-            )
+            text = serving.render_chat(body)
         else:
             text = body.prompt
         ids = serving.tokenize(text, body.add_special_tokens)["prompt_token_ids"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -95,9 +95,6 @@ class _SamplingRequest(OpenAIBaseModel):
     priority: int = 0
     request_id: str | None = None
     return_tokens_as_token_ids: bool | None = None
-
-    def _requested_max_tokens(self) -> int | None:
-        raise NotImplementedError
 
     def _logprobs(self) -> int | None:
         raise NotImplementedError
@@ -240,6 +237,3 @@ class TokenizeChatRequest(OpenAIBaseModel):
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     tokens: list[int]
-
-
-FinishReason = Literal["stop", "length", "abort", "error"]

@@ -26,14 +26,7 @@ class OpenAIServingChat(OpenAIServing):
         conversations take a while)."""
 
         def render() -> Prompt:
-            text = self.render_chat(
-                body.messages,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                chat_template=body.chat_template,
-                chat_template_kwargs=body.chat_template_kwargs,
-                tools=body.tools,
-            )
+            text = self.render_chat(body)
             return self.tokenize(text, body.add_special_tokens, body.truncate_prompt_tokens)
 
         return await asyncio.to_thread(render)

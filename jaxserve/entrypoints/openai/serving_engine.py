@@ -20,7 +20,13 @@ from typing import Any
 from aiohttp import web
 
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineRequestError
-from jaxserve.entrypoints.openai.protocol import ChatMessage, _SamplingRequest, error_body, random_id
+from jaxserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    TokenizeChatRequest,
+    _SamplingRequest,
+    error_body,
+    random_id,
+)
 from jaxserve.entrypoints.openai.server_args import ServerArgs
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -77,10 +83,6 @@ class OpenAIServing:
         self.chat_template = load_chat_template(args.chat_template)
         if self.chat_template is None and self.tokenizer is not None:
             self.chat_template = getattr(self.tokenizer, "chat_template", None)
-        if args.chat_template_content_format == "auto":
-            self.content_format = detect_content_format(self.chat_template)
-        else:
-            self.content_format = args.chat_template_content_format
 
     # ---- checks --------------------------------------------------------------------------
 
@@ -125,44 +127,38 @@ class OpenAIServing:
         ids = list(ids)
         return {"prompt": text, "prompt_token_ids": ids[-truncate:] if truncate else ids}
 
-    def render_chat(
-        self,
-        messages: list[ChatMessage],
-        *,
-        add_generation_prompt: bool,
-        continue_final_message: bool,
-        chat_template: str | None = None,
-        chat_template_kwargs: dict | None = None,
-        tools: list | None = None,
-    ) -> str:
+    def render_chat(self, body: ChatCompletionRequest | TokenizeChatRequest) -> str:
         """The conversation as the prompt text the model's chat template makes of it."""
         tokenizer = self.require_tokenizer()
-        template = load_chat_template(chat_template) or self.chat_template
+        template = load_chat_template(body.chat_template) or self.chat_template
         if template is None:
             raise ValueError(
                 "The model has no chat template and none was given (--chat-template or chat_template)."
             )
+        content_format = self.args.chat_template_content_format
+        if content_format == "auto":
+            content_format = detect_content_format(template)
         conversation = []
-        for m in messages:
+        for m in body.messages:
             message = m.model_dump(exclude_none=True)
             if isinstance(m.content, list):
                 texts = _text_parts(m.content)
-                if self.content_format == "string":
+                if content_format == "string":
                     message["content"] = "\n".join(texts)
                 else:
                     message["content"] = [{"type": "text", "text": t} for t in texts]
-            elif isinstance(m.content, str) and self.content_format == "openai":
+            elif isinstance(m.content, str) and content_format == "openai":
                 message["content"] = [{"type": "text", "text": m.content}]
             conversation.append(message)
-        kwargs = dict(chat_template_kwargs or {})
-        if tools:
-            kwargs["tools"] = tools
+        kwargs = dict(body.chat_template_kwargs or {})
+        if getattr(body, "tools", None):
+            kwargs["tools"] = body.tools
         try:
             return tokenizer.apply_chat_template(
                 conversation,
                 chat_template=template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
                 tokenize=False,
                 **kwargs,
             )
