@@ -4,6 +4,11 @@ The decoder layers are stored stacked ([num_layers, ...] per weight) and run wit
 lax.scan, so compile time does not grow with depth. The KV pool of all layers is one
 array carried through the scan and updated in place. Logits are computed only for the
 rows the sampler needs.
+
+The price of the scan on XLA:CPU: each layer's weight slice is copied out of the stack
+before its matmuls. Per-layer arrays in an unrolled Python loop avoid the copy and were
+measured ~20% faster per SmolLM2 decode step, but compiled ~5x slower (24 s against 5 s
+per bucket), so the scan stays.
 """
 
 from __future__ import annotations
