@@ -48,7 +48,7 @@ def now() -> int:
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are ignored (the server logs them), as vLLM and OpenAI do: SDKs send
     # fields that older servers do not know.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @property
     def ignored_fields(self) -> list[str]:
