@@ -78,3 +78,33 @@ def assert_greedy_generation_matches(
         c, t = check_greedy(torch_model, prompt, completion.token_ids)
         compared, total = compared + c, total + t
     assert compared >= 0.9 * total, f"only {compared} of {total} steps compared"
+
+
+def assert_logits_match_at_every_position(
+    path: str, torch_model, atol: float = 1e-4, **engine_overrides
+) -> None:
+    """Logits at every position of prompts of several lengths (around page boundaries and
+    past several pages) against transformers."""
+    from tiny_models import engine_kwargs
+
+    from jaxserve.args import EngineArgs
+
+    runner = ModelRunner(EngineArgs(model=path, **engine_kwargs(**engine_overrides)).create_engine_config())
+    rng = np.random.default_rng(0)
+    for n in (1, 7, 8, 9, 45):
+        ids = rng.integers(3, 500, size=n).tolist()
+        np.testing.assert_allclose(
+            prompt_logits(runner, ids), teacher_forced_logits(torch_model, ids), atol=atol, rtol=0
+        )
+
+
+def assert_greedy_batch_matches(path: str, torch_model, **engine_overrides) -> None:
+    """32 greedy steps over a batch of mixed-length prompts, run together."""
+    from tiny_models import engine_kwargs
+
+    from jaxserve import LLM
+
+    llm = LLM(path, **engine_kwargs(**engine_overrides))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 500, size=n).tolist() for n in (3, 17, 40, 9, 64, 1)]
+    assert_greedy_generation_matches(llm, torch_model, prompts)

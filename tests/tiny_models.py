@@ -35,6 +35,13 @@ LLAMA_VARIANTS = {
     },
 }
 
+# Other dense families: (transformers config class, model class, config overrides).
+DENSE_FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    # head_dim 24 != hidden_size / num_attention_heads, as in the real Qwen3 models
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24, "attention_bias": False}),
+}
+
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Paris is the capital of France. Berlin is the capital of Germany.",
@@ -68,16 +75,29 @@ def make_tokenizer(vocab_size: int):
 
 def make_llama_checkpoint(path, variant: str = "gqa", dtype: str = "float32", seed: int = 0):
     """Save a tiny random LlamaForCausalLM with its tokenizer; return the torch model."""
+    return make_checkpoint(path, "LlamaConfig", "LlamaForCausalLM", LLAMA_VARIANTS[variant], dtype, seed)
+
+
+def make_family_checkpoint(path, family: str, dtype: str = "float32", seed: int = 0):
+    """Save a tiny random model of one of DENSE_FAMILIES; return the torch model."""
+    return make_checkpoint(path, *DENSE_FAMILIES[family], dtype, seed)
+
+
+def make_checkpoint(path, config_cls: str, model_cls: str, overrides: dict, dtype: str, seed: int):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     torch.manual_seed(seed)
-    config = LlamaConfig(**{**TINY_LLAMA, **LLAMA_VARIANTS[variant]})
-    model = LlamaForCausalLM(config).eval()
+    config = getattr(transformers, config_cls)(**{**TINY_LLAMA, **overrides})
+    model = getattr(transformers, model_cls)(config).eval()
     # Larger-than-default weights give logits with real spread, so greedy ties are rare.
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:
+                p.normal_(0.0, 0.08)
+            elif bool((p == 1).all()):  # norm weights: off 1, so a misplaced norm shows
+                p.add_(torch.randn_like(p) * 0.1)
+            else:  # biases
                 p.normal_(0.0, 0.08)
     model.to(getattr(torch, dtype)).save_pretrained(path)
     make_tokenizer(config.vocab_size).save_pretrained(path)

@@ -37,9 +37,11 @@ class LlamaArgs:
     head_dim: int
     rms_norm_eps: float
     tie_word_embeddings: bool
-    attention_bias: bool
+    qkv_bias: bool  # biases on the q, k, v projections (Llama's attention_bias, Qwen2)
+    o_bias: bool  # bias on the output projection (Llama's attention_bias only)
     mlp_bias: bool
     inv_freq: tuple[float, ...]
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before rope (Qwen3)
 
     @classmethod
     def from_hf(cls, hf: Mapping, max_model_len: int) -> LlamaArgs:
@@ -64,7 +66,8 @@ class LlamaArgs:
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)),
+            qkv_bias=bool(hf.get("attention_bias", False)),
+            o_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             inv_freq=tuple(rope_inv_freq(hf, head_dim, max_model_len).tolist()),
         )
@@ -95,11 +98,15 @@ class LlamaLayers(nnx.Module):
         self.gate_proj = _param(rngs, (n, e, m), ("layers", "embed", "mlp"), dtype)
         self.up_proj = _param(rngs, (n, e, m), ("layers", "embed", "mlp"), dtype)
         self.down_proj = _param(rngs, (n, m, e), ("layers", "mlp", "embed"), dtype)
-        if a.attention_bias:
+        if a.qkv_bias:
             self.q_bias = _param(rngs, (n, q), ("layers", "q_heads"), dtype, "zeros")
             self.k_bias = _param(rngs, (n, kv), ("layers", "kv_heads"), dtype, "zeros")
             self.v_bias = _param(rngs, (n, kv), ("layers", "kv_heads"), dtype, "zeros")
+        if a.o_bias:
             self.o_bias = _param(rngs, (n, e), ("layers", "embed"), dtype, "zeros")
+        if a.qk_norm:
+            self.q_norm = _param(rngs, (n, a.head_dim), ("layers", "norm"), dtype, "ones")
+            self.k_norm = _param(rngs, (n, a.head_dim), ("layers", "norm"), dtype, "ones")
         if a.mlp_bias:
             self.gate_bias = _param(rngs, (n, m), ("layers", "mlp"), dtype, "zeros")
             self.up_bias = _param(rngs, (n, m), ("layers", "mlp"), dtype, "zeros")
@@ -147,6 +154,9 @@ class LlamaForCausalLM(nnx.Module):
             q = _linear(h, w, "q").reshape(num_tokens, a.num_heads, a.head_dim)
             k = _linear(h, w, "k").reshape(num_tokens, a.num_kv_heads, a.head_dim)
             v = _linear(h, w, "v").reshape(num_tokens, a.num_kv_heads, a.head_dim)
+            if a.qk_norm:
+                q = rms_norm(q, w["q_norm"], a.rms_norm_eps)
+                k = rms_norm(k, w["k_norm"], a.rms_norm_eps)
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
             attn, kv_pool = paged_attention(q, k, v, kv_pool, index, pages_per_layer, meta, sm_scale=sm_scale)
@@ -180,8 +190,11 @@ class LlamaForCausalLM(nnx.Module):
         }
         for p in "qkvo":
             per_layer[f"self_attn.{p}_proj.weight"] = (f"{p}_proj", True)
-            if args.attention_bias:
+            if args.o_bias if p == "o" else args.qkv_bias:
                 per_layer[f"self_attn.{p}_proj.bias"] = (f"{p}_bias", False)
+        if args.qk_norm:
+            per_layer["self_attn.q_norm.weight"] = ("q_norm", False)
+            per_layer["self_attn.k_norm.weight"] = ("k_norm", False)
         if args.mlp_bias:
             for p in ("gate", "up", "down"):
                 per_layer[f"mlp.{p}_proj.bias"] = (f"{p}_bias", False)

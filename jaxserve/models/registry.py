@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.models.llama import LlamaArgs, LlamaForCausalLM
+from jaxserve.models.qwen2 import qwen2_args
+from jaxserve.models.qwen3 import qwen3_args
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,8 @@ class ModelEntry:
 _REGISTRY: dict[str, ModelEntry] = {
     "LlamaForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf),
     "MistralForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf),
+    "Qwen2ForCausalLM": ModelEntry(LlamaForCausalLM, qwen2_args),
+    "Qwen3ForCausalLM": ModelEntry(LlamaForCausalLM, qwen3_args),
 }
 
 
