@@ -37,6 +37,8 @@ LLAMA_VARIANTS = {
 
 # Other dense families: (transformers config class, model class, config overrides).
 DENSE_FAMILIES = {
+    # a window shorter than the longer test prompts, so the window really cuts
+    "mistral_swa": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     # head_dim 24 != hidden_size / num_attention_heads, as in the real Qwen3 models
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24, "attention_bias": False}),

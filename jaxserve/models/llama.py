@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral without sliding window) as a Flax NNX module.
+"""The Llama family (Llama 2/3, SmolLM2, Mistral) as a Flax NNX module; Qwen2 and Qwen3 are
+the same decoder with a few switches (see LlamaArgs).
 
 The decoder layers are stored stacked ([num_layers, ...] per weight) and run with one
 lax.scan, so compile time does not grow with depth. The KV pool of all layers is one
@@ -42,18 +43,13 @@ class LlamaArgs:
     mlp_bias: bool
     inv_freq: tuple[float, ...]
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before rope (Qwen3)
+    sliding_window: int | None = None  # every layer attends to at most this many keys (Mistral)
 
     @classmethod
     def from_hf(cls, hf: Mapping, max_model_len: int) -> LlamaArgs:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported for Llama-family models (only 'silu').")
-        window = hf.get("sliding_window")
-        if window is not None and max_model_len > window:
-            raise ValueError(
-                f"This model uses sliding-window attention (window {window}) and jaxserve does not "
-                f"apply it yet; serve it with --max-model-len <= {window}."
-            )
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         return cls(
@@ -70,6 +66,7 @@ class LlamaArgs:
             o_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             inv_freq=tuple(rope_inv_freq(hf, head_dim, max_model_len).tolist()),
+            sliding_window=hf.get("sliding_window"),
         )
 
 
@@ -159,7 +156,17 @@ class LlamaForCausalLM(nnx.Module):
                 k = rms_norm(k, w["k_norm"], a.rms_norm_eps)
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
-            attn, kv_pool = paged_attention(q, k, v, kv_pool, index, pages_per_layer, meta, sm_scale=sm_scale)
+            attn, kv_pool = paged_attention(
+                q,
+                k,
+                v,
+                kv_pool,
+                index,
+                pages_per_layer,
+                meta,
+                sm_scale=sm_scale,
+                sliding_window=a.sliding_window,
+            )
             x = x + _linear(attn.reshape(num_tokens, -1), w, "o")
             h = rms_norm(x, w["post_norm"], a.rms_norm_eps)
             x = x + _linear(jax.nn.silu(_linear(h, w, "gate")) * _linear(h, w, "up"), w, "down")

@@ -12,10 +12,15 @@ from jaxserve.models.llama import LlamaArgs
 
 def without_unused_window(hf: Mapping) -> dict:
     """Qwen configs name a sliding window even when `use_sliding_window` is off, in which
-    case transformers attends over the full context: drop the window then."""
+    case transformers attends over the full context: drop the window then. With it on,
+    only some layers use it, which the port does not do yet: refused."""
     hf = dict(hf)
-    if not hf.get("use_sliding_window", False):
-        hf.pop("sliding_window", None)
+    if hf.get("use_sliding_window", False):
+        raise ValueError(
+            "Qwen sliding-window attention (use_sliding_window, per-layer windows) is not supported by "
+            "jaxserve yet."
+        )
+    hf.pop("sliding_window", None)
     return hf
 
 
