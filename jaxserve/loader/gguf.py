@@ -42,6 +42,8 @@ class _Architecture:
 
 _ARCHITECTURES: dict[str, _Architecture] = {
     "llama": _Architecture(hf_architecture="LlamaForCausalLM", model_type="llama", permute_qk=True),
+    # llama.cpp converts Qwen2 without the q/k reordering: its rope for qwen2 rotates halves.
+    "qwen2": _Architecture(hf_architecture="Qwen2ForCausalLM", model_type="qwen2", permute_qk=False),
 }
 
 _GLOBAL_TENSORS = {

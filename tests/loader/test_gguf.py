@@ -213,3 +213,29 @@ def test_default_model_tokenizer_matches_transformers(default_gguf):
     assert ours_chat.startswith("<|im_start|>system\n") and ours_chat.endswith("<|im_start|>assistant\n")
     assert ours.encode(ours_chat) == reference.encode(ours_chat)
     assert (ours.bos_token_id, ours.eos_token_id) == (1, 2)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_gguf_and_safetensors_of_the_same_weights_give_identical_logits(architecture, tmp_path):
+    from reference_checks import prompt_logits, teacher_forced_logits
+    from tiny_checkpoints import write_gguf_from_hf
+    from tiny_models import engine_kwargs, make_family_checkpoint, make_llama_checkpoint
+
+    from jaxserve.args import EngineArgs
+    from jaxserve.runner.model_runner import ModelRunner
+
+    hf_dir = tmp_path / "hf"
+    if architecture == "llama":
+        torch_model = make_llama_checkpoint(hf_dir, "gqa")
+    else:
+        torch_model = make_family_checkpoint(hf_dir, "qwen2")
+    gguf_path = str(tmp_path / "model.gguf")
+    write_gguf_from_hf(gguf_path, torch_model, architecture)
+    ids = np.random.default_rng(0).integers(3, 500, size=30).tolist()
+    logits = []
+    for model in (str(hf_dir), gguf_path):
+        runner = ModelRunner(EngineArgs(model=model, **engine_kwargs()).create_engine_config())
+        assert runner.config.model_config.architecture == torch_model.config.architectures[0]
+        logits.append(prompt_logits(runner, ids))
+    np.testing.assert_array_equal(logits[0], logits[1])
+    np.testing.assert_allclose(logits[1], teacher_forced_logits(torch_model, ids), atol=1e-4, rtol=0)

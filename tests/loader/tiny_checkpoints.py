@@ -191,3 +191,55 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return TinyGguf(path=path, config=config, tensors=expected)
+
+
+def write_gguf_from_hf(path: str, hf_model, architecture: str) -> None:
+    """An F32 GGUF of a transformers Llama-family model, as llama.cpp's converter writes it:
+    GGUF names, q/k rows permuted for the llama architecture only (qwen2 keeps HF's order),
+    biases as ``.bias`` tensors, a byte-level tokenizer."""
+    cfg = hf_model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    vocab = gpt2_tokenizer_metadata()
+    writer.add_tokenizer_model(vocab["model"])
+    writer.add_token_list(vocab["tokens"])
+    writer.add_token_types(vocab["types"])
+    writer.add_tokenizer_pre("default")
+    writer.add_token_merges(vocab["merges"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    to_gguf = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    permute = {"attn_q": heads, "attn_k": kv_heads} if architecture == "llama" else {}
+    state = {k: v.float().numpy() for k, v in hf_model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for hf_name, value in state.items():
+        if hf_name in to_gguf:
+            gguf_name = to_gguf[hf_name]
+        else:
+            _, _, layer, *rest = hf_name.split(".")
+            suffix = ".".join(rest)
+            kind = suffix.rsplit(".", 1)[0]
+            gguf_stem = BLOCK_NAMES[kind + ".weight"].rsplit(".", 1)[0]
+            gguf_name = f"blk.{layer}.{gguf_stem}.{suffix.rsplit('.', 1)[1]}"
+            if gguf_stem in permute:
+                value = llama_cpp_permute(value, permute[gguf_stem])
+        writer.add_tensor(gguf_name, np.ascontiguousarray(value))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
