@@ -45,6 +45,22 @@ def test_tiny_tensors_round_trip_to_hf_names_and_layout(tiny_gguf):
         np.testing.assert_array_equal(got[name], expected, err_msg=name)
 
 
+@pytest.mark.parametrize(
+    "qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K"]
+)
+def test_quantized_weights_dequantize_in_hf_layout(qtype, tmp_path):
+    import gguf
+
+    written = write_tiny_gguf(
+        str(tmp_path / f"{qtype}.gguf"), tied=True, ffn_down_type=getattr(gguf.GGMLQuantizationType, qtype)
+    )
+    got = dict(iter_gguf_tensors(written.path, use_tqdm=False))
+    for layer in range(2):
+        name = f"model.layers.{layer}.mlp.down_proj.weight"
+        assert got[name].shape == (64, 256) and got[name].dtype == np.float32
+        np.testing.assert_array_equal(got[name], written.tensors[name], err_msg=name)
+
+
 def test_q8_0_embedding_is_close_to_the_unquantized_values(tiny_gguf):
     embed = dict(iter_gguf_tensors(tiny_gguf.path, use_tqdm=False))["model.embed_tokens.weight"]
     rng = np.random.default_rng(0)  # the writer's first draw is the embedding

@@ -91,15 +91,21 @@ def write_tiny_gguf(
     linear_rope_factor: float | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
     seed: int = 0,
+    ffn_down_type: gguf.GGMLQuantizationType | None = None,
 ) -> TinyGguf:
     """A 2-layer llama GGUF with a tokenizer: F32 tensors plus a Q8_0 embedding.
 
     ``extra_tensors`` are written under their GGUF names and are not expected back.
+    ``ffn_down_type`` stores every ``ffn_down`` (rows of 256 values, one K-quant block) in
+    that type: quantized from the float values where the gguf package can quantize it,
+    else random blocks of that type (K-quants); either way the expected tensor is what the
+    gguf package dequantizes the stored blocks to.
     """
     rng = np.random.default_rng(seed)
     vocab_meta = gpt2_tokenizer_metadata() if tokenizer == "gpt2" else llama_tokenizer_metadata()
     tokens = vocab_meta["tokens"]
-    hidden, inter, layers, heads, kv_heads, vocab = 64, 96, 2, 4, 2, len(tokens)
+    hidden, layers, heads, kv_heads, vocab = 64, 2, 4, 2, len(tokens)
+    inter = 96 if ffn_down_type is None else 256
     head_dim = hidden // heads
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -174,6 +180,11 @@ def write_tiny_gguf(
     for layer in range(layers):
         for hf_suffix, gguf_suffix in BLOCK_NAMES.items():
             value = rng.standard_normal(shapes[hf_suffix], dtype=np.float32)
+            if ffn_down_type is not None and hf_suffix == "mlp.down_proj.weight":
+                blocks = _blocks_of_type(value, ffn_down_type, rng)
+                writer.add_tensor(f"blk.{layer}.{gguf_suffix}", blocks, raw_dtype=ffn_down_type)
+                expected[f"model.layers.{layer}.{hf_suffix}"] = gguf.quants.dequantize(blocks, ffn_down_type)
+                continue
             add(
                 f"model.layers.{layer}.{hf_suffix}",
                 f"blk.{layer}.{gguf_suffix}",
@@ -191,6 +202,19 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return TinyGguf(path=path, config=config, tensors=expected)
+
+
+def _blocks_of_type(value: np.ndarray, qtype: gguf.GGMLQuantizationType, rng) -> np.ndarray:
+    try:
+        return gguf.quants.quantize(value, qtype)
+    except NotImplementedError:  # K-quants: the gguf package only dequantizes them
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        shape = (value.shape[0], value.shape[1] // block_size * type_size)
+        blocks = rng.integers(0, 256, size=shape, dtype=np.uint8)
+        # Keep the float16 super-block scales finite: random bytes could spell inf or NaN.
+        half_scales = blocks.view(np.float16)
+        half_scales[~np.isfinite(half_scales)] = 0
+        return blocks
 
 
 def write_gguf_from_hf(path: str, hf_model, architecture: str) -> None:
