@@ -41,7 +41,7 @@ DTYPES = {
     "float": "float32",
     "float32": "float32",
 }
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "orbax", "dummy")
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 # The scaling types rotary.py implements, and the keys each needs from --rope-scaling.
 _ROPE_KEYS = {
@@ -632,8 +632,14 @@ class EngineArgs:
             if load_format == "auto":
                 load_format = "gguf"
         elif os.path.isdir(path):
+            from jaxserve.loader.orbax import is_orbax_dir
+
             if load_format == "auto":
-                load_format = "safetensors"
+                load_format = "orbax" if is_orbax_dir(path) else "safetensors"
+            elif load_format == "orbax" and not is_orbax_dir(path):
+                raise ValueError(
+                    f"load_format='orbax' needs a directory made by `jaxserve convert`, got {path!r}."
+                )
         else:
             raise ValueError(f"model {path!r} is neither a model directory nor a .gguf file.")
         if load_format == "gguf" and not is_gguf:

@@ -401,6 +401,14 @@ def _read_line(interactive: bool) -> str | None:
     return line.rstrip("\n") if line else None
 
 
+def _run_convert(ns: argparse.Namespace) -> int:
+    from jaxserve.loader.orbax import convert
+
+    output = convert(engine_args_from_namespace(ns), ns.output)
+    print(f"Converted checkpoint written to {output}; serve it with: {PROG} serve {output}")
+    return 0
+
+
 def _run_chat(ns: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     _sampling_params(ns, SamplingParams())
@@ -497,6 +505,19 @@ def build_parser() -> argparse.ArgumentParser:
         chat, temperature=0.7, max_tokens_help="Most tokens per answer; unset = until EOS or max_model_len."
     )
     chat.set_defaults(func=_run_chat)
+
+    convert = sub.add_parser(
+        "convert",
+        help="Convert a checkpoint to an orbax directory that loads without conversion.",
+        description="Load MODEL with the given engine flags (renaming, un-permuting, dequantizing, "
+        "casting to --dtype) and save the parameters with orbax-checkpoint, plus config and tokenizer; "
+        "serve the result with `jaxserve serve DIR` (--load-format orbax is detected).",
+        formatter_class=_Formatter,
+        allow_abbrev=False,
+    )
+    add_engine_args(convert)
+    convert.add_argument("--output", required=True, metavar="DIR", help="New (or empty) output directory.")
+    convert.set_defaults(func=_run_convert)
 
     from jaxserve.benchmarks import serving as bench_serving
 

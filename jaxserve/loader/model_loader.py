@@ -2,8 +2,9 @@
 
 Reads HF-named tensors (from safetensors or GGUF, both already in Hugging Face's layout),
 maps each onto the model's own parameter tree through the model's weight map, and places
-every parameter with the sharding its logical axes ask for. `dummy` makes random weights
-of the real shapes for benchmarking.
+every parameter with the sharding its logical axes ask for. `orbax` restores a converted
+directory (loader/orbax.py) without any of that work. `dummy` makes random weights of the
+real shapes for benchmarking.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def load_model(model_config: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, nnx
     if model_config.load_format == "dummy":
         init = jax.jit(lambda: nnx.split(create())[1], out_shardings=state_shardings(abstract, mesh))
         return graphdef, init()
+    if model_config.load_format == "orbax":
+        from jaxserve.loader import orbax
+
+        return graphdef, orbax.restore(model_config.model, abstract, state_shardings(abstract, mesh))
 
     flat = dict(nnx.to_flat_state(abstract))
     buffers: dict[str, np.ndarray] = {}
