@@ -49,6 +49,7 @@ _ROPE_KEYS = {
     "linear": ("factor",),
     "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("factor",),
 }
 
 

@@ -238,7 +238,7 @@ def test_tier_b_values_jaxserve_honours_start(served, caplog, flag, value, expec
         (["--model-impl", "transformers"], "--model-impl"),
         (["--config-format", "mistral"], "--config-format"),
         (["--load-format", "pt"], "--load-format"),
-        (["--rope-scaling", '{"rope_type": "yarn", "factor": 4.0}'], "yarn"),
+        (["--rope-scaling", '{"rope_type": "longrope", "factor": 4.0}'], "longrope"),
         (["--rope-scaling", '{"rope_type": "linear"}'], "factor"),
         (["--rope-theta", "0"], "--rope-theta"),
         (["--max-parallel-loading-workers", "0"], "max_parallel_loading_workers"),

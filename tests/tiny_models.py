@@ -33,6 +33,10 @@ LLAMA_VARIANTS = {
         "rope_theta": 500000.0,
         "num_key_value_heads": 1,
     },
+    "yarn_rope": {
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        "rope_theta": 10000.0,
+    },
 }
 
 # Other dense families: (transformers config class, model class, config overrides).

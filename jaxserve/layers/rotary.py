@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 def rope_parameters(hf_config: Mapping) -> dict:
@@ -60,17 +60,69 @@ def rope_inv_freq(hf_config: Mapping, head_dim: int, max_model_len: int) -> np.n
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = np.where(medium, smoothed, scaled)
+    elif rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(inv_freq, params, hf_config, dim, base, original_max)
     return inv_freq.astype(np.float32)
+
+
+def _yarn_factor(params: Mapping, hf_config: Mapping, original_max: int) -> float:
+    factor = params.get("factor")
+    return float(factor) if factor is not None else hf_config["max_position_embeddings"] / original_max
+
+
+def _yarn_inv_freq(
+    inv_freq: np.ndarray, params: Mapping, hf_config: Mapping, dim: int, base: float, original_max: int
+) -> np.ndarray:
+    """YaRN: interpolate the low frequencies by `factor`, keep the high ones, and blend
+    linearly over the dimensions between beta_fast and beta_slow rotations."""
+    factor = _yarn_factor(params, hf_config, original_max)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_scaling(hf_config: Mapping) -> float:
+    """The factor YaRN applies to cos and sin (so to q.k twice); 1 for every other type."""
+    params = rope_parameters(hf_config)
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    original_max = int(
+        params.get("original_max_position_embeddings") or hf_config.get("max_position_embeddings", 2048)
+    )
+    factor = _yarn_factor(params, hf_config, original_max)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+    return mscale(factor)
 
 
 def apply_rope(
     x: jax.Array,  # [num_tokens, num_heads, head_dim]
     positions: jax.Array,  # [num_tokens] int32
     inv_freq: jax.Array,  # [head_dim // 2]
+    scaling: float = 1.0,  # rope_attention_scaling
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [num_tokens, head_dim // 2]
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)

@@ -24,7 +24,7 @@ from flax import nnx
 
 from jaxserve.layers.attention import AttentionMetadata, paged_attention
 from jaxserve.layers.norm import rms_norm
-from jaxserve.layers.rotary import apply_rope, rope_inv_freq
+from jaxserve.layers.rotary import apply_rope, rope_attention_scaling, rope_inv_freq
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class LlamaArgs:
     inv_freq: tuple[float, ...]
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before rope (Qwen3)
     sliding_window: int | None = None  # every layer attends to at most this many keys (Mistral)
+    rope_scaling: float = 1.0  # factor on cos/sin (YaRN's attention factor)
 
     @classmethod
     def from_hf(cls, hf: Mapping, max_model_len: int) -> LlamaArgs:
@@ -67,6 +68,7 @@ class LlamaArgs:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             inv_freq=tuple(rope_inv_freq(hf, head_dim, max_model_len).tolist()),
             sliding_window=hf.get("sliding_window"),
+            rope_scaling=rope_attention_scaling(hf),
         )
 
 
@@ -154,8 +156,8 @@ class LlamaForCausalLM(nnx.Module):
             if a.qk_norm:
                 q = rms_norm(q, w["q_norm"], a.rms_norm_eps)
                 k = rms_norm(k, w["k_norm"], a.rms_norm_eps)
-            q = apply_rope(q, positions, inv_freq)
-            k = apply_rope(k, positions, inv_freq)
+            q = apply_rope(q, positions, inv_freq, a.rope_scaling)
+            k = apply_rope(k, positions, inv_freq, a.rope_scaling)
             attn, kv_pool = paged_attention(
                 q,
                 k,
