@@ -674,8 +674,9 @@ class EngineArgs:
                 dtype = "bfloat16"
         else:
             dtype = DTYPES[self.dtype]
-        derived_len = int(hf_config.get("max_position_embeddings") or 2048)
-        source = "max_position_embeddings"
+        from jaxserve.layers.rotary import max_len_with_rope_scaling
+
+        derived_len, source = max_len_with_rope_scaling(hf_config)
         window = hf_config.get("sliding_window")
         if self.disable_sliding_window and window and int(window) < derived_len:
             derived_len, source = int(window), "sliding_window"

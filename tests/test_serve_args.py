@@ -417,3 +417,16 @@ def test_ignore_patterns_may_not_exclude_the_weights(tmp_path):
 def test_gguf_quantization_needs_a_gguf_file(tmp_path):
     with pytest.raises(ValueError, match="quantization='gguf'"):
         EngineArgs(model=_checkpoint(tmp_path / "m"), quantization="gguf").create_engine_config()
+
+
+def test_max_model_len_may_exceed_the_trained_length_only_with_rope_scaling(tmp_path):
+    model = _checkpoint(tmp_path / "m")
+    with pytest.raises(ValueError, match=r"max_position_embeddings\)"):
+        EngineArgs(model=model, max_model_len=257).create_engine_config()
+    linear = {"rope_type": "linear", "factor": 2.0}
+    cfg = EngineArgs(model=model, rope_scaling=linear).create_engine_config()
+    assert cfg.model_config.max_model_len == 512  # the stretched length is the default, as in vLLM
+    with pytest.raises(ValueError, match="linear rope factor"):
+        EngineArgs(model=model, rope_scaling=linear, max_model_len=513).create_engine_config()
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    assert EngineArgs(model=model, rope_scaling=yarn).create_engine_config().model_config.max_model_len == 512

@@ -29,6 +29,21 @@ def rope_parameters(hf_config: Mapping) -> dict:
     return params
 
 
+def max_len_with_rope_scaling(hf_config: Mapping) -> tuple[int, str]:
+    """The longest context the model supports, and where that number comes from. As vLLM
+    does: linear, dynamic and YaRN scaling stretch the trained length by their factor (YaRN
+    from its original length); llama3-style configs already state the stretched length."""
+    max_pos = int(hf_config.get("max_position_embeddings") or 2048)
+    params = rope_parameters(hf_config)
+    kind = params["rope_type"]
+    if kind in ("linear", "dynamic", "yarn") and params.get("factor"):
+        base = max_pos
+        if kind == "yarn" and params.get("original_max_position_embeddings"):
+            base = int(params["original_max_position_embeddings"])
+        return int(base * float(params["factor"])), f"max_position_embeddings with {kind} rope factor"
+    return max_pos, "max_position_embeddings"
+
+
 def rope_inv_freq(hf_config: Mapping, head_dim: int, max_model_len: int) -> np.ndarray:  # [head_dim // 2]
     params = rope_parameters(hf_config)
     rope_type = params["rope_type"]
