@@ -43,6 +43,8 @@ LLAMA_VARIANTS = {
 DENSE_FAMILIES = {
     # a window shorter than the longer test prompts, so the window really cuts
     "mistral_swa": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),
+    # fused qkv / gate_up projections in the checkpoint; a window shorter than long prompts
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 24, "pad_token_id": 0}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     # head_dim 24 != hidden_size / num_attention_heads, as in the real Qwen3 models
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24, "attention_bias": False}),

@@ -60,7 +60,10 @@ def load_model(model_config: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, nnx
     buffers: dict[str, np.ndarray] = {}
     filled: dict[str, set] = {}
     weight_map = entry.model_cls.hf_weight_map(args)
-    for name, tensor in _checkpoint_tensors(model_config):
+    tensors = _checkpoint_tensors(model_config)
+    if entry.split_tensors is not None:
+        tensors = (pair for name, t in tensors for pair in entry.split_tensors(name, t, args))
+    for name, tensor in tensors:
         if name not in weight_map:
             if name.endswith("rotary_emb.inv_freq") or (
                 name == "lm_head.weight" and args.tie_word_embeddings

@@ -6,11 +6,14 @@ the model's name.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from jaxserve.models.llama import LlamaArgs, LlamaForCausalLM
+from jaxserve.models.phi3 import phi3_args, split_fused
 from jaxserve.models.qwen2 import qwen2_args
 from jaxserve.models.qwen3 import qwen3_args
 
@@ -19,11 +22,14 @@ from jaxserve.models.qwen3 import qwen3_args
 class ModelEntry:
     model_cls: type
     make_args: Callable[[Mapping, int], Any]  # (hf_config, max_model_len) -> model args
+    # (checkpoint name, tensor, args) -> the tensors the weight map knows; for fused checkpoints
+    split_tensors: Callable[[str, np.ndarray, Any], Iterator[tuple[str, np.ndarray]]] | None = None
 
 
 _REGISTRY: dict[str, ModelEntry] = {
     "LlamaForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf),
     "MistralForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf),
+    "Phi3ForCausalLM": ModelEntry(LlamaForCausalLM, phi3_args, split_fused),
     "Qwen2ForCausalLM": ModelEntry(LlamaForCausalLM, qwen2_args),
     "Qwen3ForCausalLM": ModelEntry(LlamaForCausalLM, qwen3_args),
 }

@@ -1,4 +1,4 @@
-"""Dense families beyond Llama (Qwen2, Qwen3) against transformers on the same weights
+"""Dense families beyond Llama (Mistral with a sliding window, Phi-3, Qwen2, Qwen3) against transformers on the same weights
 (float32): logits at every prompt position, and 32 greedy steps over a batch of
 mixed-length prompts."""
 
