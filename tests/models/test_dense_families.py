@@ -1,6 +1,6 @@
-"""Dense families beyond Llama (Mistral with a sliding window, Phi-3, Qwen2, Qwen3) against transformers on the same weights
-(float32): logits at every prompt position, and 32 greedy steps over a batch of
-mixed-length prompts."""
+"""Dense families beyond plain Llama (Mistral with a sliding window, Phi-3, Qwen2, Qwen3)
+against transformers on the same weights (float32): logits at every prompt position, and
+32 greedy steps over a batch of mixed-length prompts."""
 
 from __future__ import annotations
 
