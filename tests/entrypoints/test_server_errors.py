@@ -79,6 +79,8 @@ async def test_bad_requests_get_openai_errors(http, path, body, status, words, p
 async def test_malformed_bodies_and_unknown_routes(http):
     assert_error(*await raw_post(http, "v1/completions", "{not json"), 400, "JSON")
     assert_error(*await raw_post(http, "v1/completions", "[1, 2]"), 400, "object")
+    assert_error(*await raw_post(http, "tokenize", "{not json"), 400, "not valid JSON")
+    assert_error(*await raw_post(http, "tokenize", "[1, 2]"), 400, "object")
     assert_error(*await raw_post(http, "v1/completions", b"\xff\xfe"), 400)
     nan = '{"prompt": "x", "temperature": NaN}'  # Python's json reads it; the API must not
     assert_error(*await raw_post(http, "v1/completions", nan), 400, "temperature")

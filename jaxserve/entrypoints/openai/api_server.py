@@ -49,7 +49,6 @@ STATS_LOG_INTERVAL_S = 10.0
 SHUTDOWN_TIMEOUT_S = 30.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_ENGINE = web.AppKey("engine", AsyncLLMEngine)
 
 
 def error_response(message: str, status: int = 400, param: str | None = None) -> web.Response:
@@ -154,6 +153,10 @@ def _cors_middleware(args: ServerArgs) -> Callable:
 
 
 async def _parse(request: web.Request, model: type[BaseModel]) -> BaseModel:
+    return _validate(model, await _read_object(request))
+
+
+async def _read_object(request: web.Request) -> dict:
     try:
         data = await request.json()
     except json.JSONDecodeError as e:
@@ -162,6 +165,10 @@ async def _parse(request: web.Request, model: type[BaseModel]) -> BaseModel:
         raise ValueError("The request body is not valid UTF-8 JSON.") from None
     if not isinstance(data, dict):
         raise ValueError("The request body must be a JSON object.")
+    return data
+
+
+def _validate(model: type[BaseModel], data: dict) -> BaseModel:
     try:
         body = model.model_validate(data)
     except ValidationError as e:
@@ -235,13 +242,8 @@ class _Routes:
         return await self.chat.create(await _parse(request, ChatCompletionRequest), request)
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        data = await request.json() if request.can_read_body else {}
-        model = (
-            TokenizeChatRequest
-            if isinstance(data, dict) and "messages" in data
-            else TokenizeCompletionRequest
-        )
-        body = await _parse(request, model)
+        data = await _read_object(request)
+        body = _validate(TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest, data)
         serving = self.chat
         serving.model_name(body.model)
         if isinstance(body, TokenizeChatRequest):
@@ -309,7 +311,6 @@ def build_app(
         middlewares.append(_auth_middleware(args.api_key, args.root_path or ""))
     middlewares.append(_errors)
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
-    app[_ENGINE] = engine
     llm = engine.engine
     mc, sc = llm.config.model_config, llm.config.scheduler_config
     metrics = EngineMetrics(mc.served_model_name[0], mc.max_model_len, sc.max_num_batched_tokens)
