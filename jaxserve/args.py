@@ -30,6 +30,7 @@ from jaxserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from jaxserve.layers.rotary import ROPE_REQUIRED_KEYS, max_len_with_rope_scaling
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +44,6 @@ DTYPES = {
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "orbax", "dummy")
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
-# The scaling types rotary.py implements, and the keys each needs from --rope-scaling.
-_ROPE_KEYS = {
-    "default": (),
-    "linear": ("factor",),
-    "dynamic": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
-    "yarn": ("factor",),
-}
 
 
 class _AnyValue(tuple):
@@ -604,12 +597,12 @@ class EngineArgs:
         if not scaling:
             return
         rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
-        if rope_type not in _ROPE_KEYS:
+        if rope_type not in ROPE_REQUIRED_KEYS:
             raise ValueError(
                 f"--rope-scaling rope_type {rope_type!r} is not supported by jaxserve; "
-                f"supported: {', '.join(_ROPE_KEYS)}."
+                f"supported: {', '.join(ROPE_REQUIRED_KEYS)}."
             )
-        missing = [key for key in _ROPE_KEYS[rope_type] if key not in scaling]
+        missing = [key for key in ROPE_REQUIRED_KEYS[rope_type] if key not in scaling]
         if missing:
             raise ValueError(f"--rope-scaling of rope_type {rope_type!r} needs {', '.join(missing)}.")
 
@@ -674,8 +667,6 @@ class EngineArgs:
                 dtype = "bfloat16"
         else:
             dtype = DTYPES[self.dtype]
-        from jaxserve.layers.rotary import max_len_with_rope_scaling
-
         derived_len, source = max_len_with_rope_scaling(hf_config)
         window = hf_config.get("sliding_window")
         if self.disable_sliding_window and window and int(window) < derived_len:

@@ -14,7 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# The scaling types implemented here, and the keys each needs from a config's rope settings.
+ROPE_REQUIRED_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("factor",),
+}
+SUPPORTED_ROPE_TYPES = tuple(ROPE_REQUIRED_KEYS)
 
 
 def rope_parameters(hf_config: Mapping) -> dict:
