@@ -34,7 +34,7 @@ def paged_attention(
     meta: AttentionMetadata,
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,  # traced: a per-layer choice (see the reference)
     soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # ([num_tokens, num_q_heads, head_dim], kv_pool)
     page_offset = layer * pages_per_layer

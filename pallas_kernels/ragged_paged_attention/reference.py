@@ -33,7 +33,16 @@ Two passes, each reading every needed key page once per unit of work:
   BLOCK_Q rows; a block gathers its sequence's pages once for all its rows and stops at
   the last key its rows can see (causality), so prefill costs matmuls, not gathers.
 Both use an online softmax over key chunks of KV_CHUNK_TOKENS, so memory stays bounded
-whatever the context length, and both loop only as far as the batch needs.
+whatever the context length, and both loop only as far as the batch needs (and, under a
+sliding window, start no earlier than the first key any of their rows can see).
+
+## Options
+
+- `sliding_window`: a query at position p sees keys at positions > p - sliding_window.
+  Either a Python int (or None: no window) fixed at trace time, or a traced int32 scalar,
+  which is how a model scanning over layers gives each layer its own window; a value no
+  smaller than the context length means full attention.
+- `soft_cap`: scores (already scaled) become soft_cap * tanh(score / soft_cap).
 """
 
 from __future__ import annotations
@@ -68,8 +77,8 @@ def _attend_chunks(
     q_pos: jax.Array,  # [units, rows] int32, -1 for rows that see nothing
     pages: jax.Array,  # [units, pages_per_seq] int32, page table of each unit's sequence
     kv_pages: jax.Array,  # [num_pages, 2 * num_kv_heads, page_size, head_dim]
-    num_chunks: jax.Array,  # [] int32, key chunks to visit
-    sliding_window: int | None,
+    num_chunks: jax.Array,  # [] int32, key chunks to visit (from the first)
+    sliding_window: int | jax.Array | None,
     soft_cap: float | None,
 ) -> jax.Array:  # [units, num_kv_heads, rows, head_dim] float32
     units, num_kv_heads, rows, head_dim = q.shape
@@ -116,7 +125,12 @@ def _attend_chunks(
         jnp.zeros(shape, jnp.float32),
         jnp.zeros((*shape, head_dim), jnp.float32),
     )
-    _, l_sum, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    first_chunk = 0
+    if sliding_window is not None:
+        # Chunks wholly before every row's window hold nothing any row can see: skip them.
+        lowest = jnp.min(jnp.where(q_pos >= 0, q_pos, jnp.iinfo(jnp.int32).max))
+        first_chunk = jnp.clip((lowest - sliding_window + 1) // chunk, 0, num_chunks)
+    _, l_sum, acc = jax.lax.fori_loop(first_chunk, num_chunks, body, init)
     return acc / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
 
 
@@ -129,7 +143,7 @@ def ragged_paged_attention(
     num_seqs: jax.Array,  # [1] int32
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim]
     num_tokens, num_q_heads, head_dim = q.shape

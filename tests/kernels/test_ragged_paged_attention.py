@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import itertools
 
+import jax
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -165,3 +167,27 @@ def test_decodes_spread_over_several_groups(monkeypatch, mix):
     (q, kv, kv_lens, pages, cu), num_seqs, expected, scale = build_case(rng, MIXES[mix](16), 8, 2, 64, 16, 8)
     out = reference.ragged_paged_attention(q, kv, kv_lens, pages, cu, num_seqs, sm_scale=scale)
     np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 20, 130, 10_000])
+def test_traced_window_over_long_contexts(window):
+    """A window given as a traced value (as a layer scan passes it) over contexts several
+    key chunks long, where whole chunks fall before the window and are skipped."""
+    rng = np.random.default_rng(2)
+    seqs = [(300, 1), (200, 70), (0, 5), (390, 1)]
+    (q, kv, kv_lens, pages, cu), num_seqs, _, scale = build_case(rng, seqs, 4, 2, 64, 16, 4)
+    run = jax.jit(
+        lambda w: ragged_paged_attention(
+            q, kv, kv_lens, pages, cu, num_seqs, sm_scale=scale, sliding_window=w
+        )
+    )
+    out = np.asarray(run(jnp.int32(window)))
+    pool = token_major(kv)
+    cu_np, pages_np = np.asarray(cu), np.asarray(pages)
+    for i, (ctx, ql) in enumerate(seqs):
+        pos = np.arange(ctx + ql)
+        flat = pages_np[i, pos // 16] * 16 + pos % 16
+        want = dense_attention(
+            np.asarray(q)[cu_np[i] : cu_np[i + 1]], pool[flat, :, 0], pool[flat, :, 1], ctx, scale, window
+        )
+        np.testing.assert_allclose(out[cu_np[i] : cu_np[i + 1]], want, atol=2e-5, rtol=1e-5)
