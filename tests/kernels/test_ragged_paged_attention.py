@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 
 import jax
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -80,6 +79,20 @@ def build_case(rng, seqs, num_q_heads, num_kv_heads, head_dim, page_size, max_nu
     return inputs, jnp.asarray([len(seqs)], jnp.int32), expected, sm_scale
 
 
+def assert_matches_dense(out, q, kv, pages, cu, seqs, scale, window=None, cap=None, page_size=16):
+    """Each sequence's rows of `out` against dense attention over its keys and values."""
+    pool = token_major(kv)
+    cu_np, pages_np = np.asarray(cu), np.asarray(pages)
+    for i, (ctx, ql) in enumerate(seqs):
+        pos = np.arange(ctx + ql)
+        flat = pages_np[i, pos // page_size] * page_size + pos % page_size
+        rows = slice(cu_np[i], cu_np[i + 1])
+        want = dense_attention(
+            np.asarray(q)[rows], pool[flat, :, 0], pool[flat, :, 1], ctx, scale, window, cap
+        )
+        np.testing.assert_allclose(np.asarray(out)[rows], want, atol=2e-5, rtol=1e-5)
+
+
 def token_major(kv_pages):
     """[pages, 2 * heads, page, d] -> [pages * page, heads, 2 (k|v), d]."""
     pages, combined, page_size, d = kv_pages.shape
@@ -130,21 +143,7 @@ def test_sliding_window_and_soft_cap(window, cap):
             q, kv, kv_lens, pages, cu, num_seqs, sm_scale=scale, sliding_window=window, soft_cap=cap
         )
     )
-    pool = token_major(kv)
-    cu_np, pages_np = np.asarray(cu), np.asarray(pages)
-    for i, (ctx, ql) in enumerate(seqs):
-        pos = np.arange(ctx + ql)
-        flat = pages_np[i, pos // 16] * 16 + pos % 16
-        want = dense_attention(
-            np.asarray(q)[cu_np[i] : cu_np[i + 1]],
-            pool[flat, :, 0],
-            pool[flat, :, 1],
-            ctx,
-            scale,
-            window,
-            cap,
-        )
-        np.testing.assert_allclose(out[cu_np[i] : cu_np[i + 1]], want, atol=2e-5, rtol=1e-5)
+    assert_matches_dense(out, q, kv, pages, cu, seqs, scale, window, cap)
 
 
 def test_write_kv_interleaves_and_drops_padding():
@@ -182,12 +181,4 @@ def test_traced_window_over_long_contexts(window):
         )
     )
     out = np.asarray(run(jnp.int32(window)))
-    pool = token_major(kv)
-    cu_np, pages_np = np.asarray(cu), np.asarray(pages)
-    for i, (ctx, ql) in enumerate(seqs):
-        pos = np.arange(ctx + ql)
-        flat = pages_np[i, pos // 16] * 16 + pos % 16
-        want = dense_attention(
-            np.asarray(q)[cu_np[i] : cu_np[i + 1]], pool[flat, :, 0], pool[flat, :, 1], ctx, scale, window
-        )
-        np.testing.assert_allclose(out[cu_np[i] : cu_np[i + 1]], want, atol=2e-5, rtol=1e-5)
+    assert_matches_dense(out, q, kv, pages, cu, seqs, scale, window)
