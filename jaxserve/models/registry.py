@@ -12,7 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.models.gpt2 import gpt2_args, gpt2_names
 from jaxserve.models.llama import LlamaArgs, LlamaForCausalLM
+from jaxserve.models.opt import OPTArgs, OPTForCausalLM, opt_names
 from jaxserve.models.phi3 import phi3_args, split_fused
 from jaxserve.models.qwen2 import qwen2_args
 from jaxserve.models.qwen3 import qwen3_args
@@ -27,8 +29,10 @@ class ModelEntry:
 
 
 _REGISTRY: dict[str, ModelEntry] = {
+    "GPT2LMHeadModel": ModelEntry(OPTForCausalLM, gpt2_args, gpt2_names),
     "LlamaForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf),
     "MistralForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf),
+    "OPTForCausalLM": ModelEntry(OPTForCausalLM, OPTArgs.from_hf, opt_names),
     "Phi3ForCausalLM": ModelEntry(LlamaForCausalLM, phi3_args, split_fused),
     "Qwen2ForCausalLM": ModelEntry(LlamaForCausalLM, qwen2_args),
     "Qwen3ForCausalLM": ModelEntry(LlamaForCausalLM, qwen3_args),
