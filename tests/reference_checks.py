@@ -81,7 +81,7 @@ def assert_greedy_generation_matches(
 
 
 def assert_logits_match_at_every_position(
-    path: str, torch_model, atol: float = 1e-4, **engine_overrides
+    path: str, torch_model, atol: float = 1e-4, lengths=(1, 7, 8, 9, 45), **engine_overrides
 ) -> None:
     """Logits at every position of prompts of several lengths (around page boundaries and
     past several pages) against transformers."""
@@ -91,14 +91,16 @@ def assert_logits_match_at_every_position(
 
     runner = ModelRunner(EngineArgs(model=path, **engine_kwargs(**engine_overrides)).create_engine_config())
     rng = np.random.default_rng(0)
-    for n in (1, 7, 8, 9, 45):
+    for n in lengths:
         ids = rng.integers(3, 500, size=n).tolist()
         np.testing.assert_allclose(
             prompt_logits(runner, ids), teacher_forced_logits(torch_model, ids), atol=atol, rtol=0
         )
 
 
-def assert_greedy_batch_matches(path: str, torch_model, **engine_overrides) -> None:
+def assert_greedy_batch_matches(
+    path: str, torch_model, prompt_lens=(3, 17, 40, 9, 64, 1), **engine_overrides
+) -> None:
     """32 greedy steps over a batch of mixed-length prompts, run together."""
     from tiny_models import engine_kwargs
 
@@ -106,5 +108,5 @@ def assert_greedy_batch_matches(path: str, torch_model, **engine_overrides) -> N
 
     llm = LLM(path, **engine_kwargs(**engine_overrides))
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, 500, size=n).tolist() for n in (3, 17, 40, 9, 64, 1)]
+    prompts = [rng.integers(3, 500, size=n).tolist() for n in prompt_lens]
     assert_greedy_generation_matches(llm, torch_model, prompts)

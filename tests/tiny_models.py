@@ -39,13 +39,69 @@ LLAMA_VARIANTS = {
     },
 }
 
+# LongRoPE over a rotary of 8 dims (4 frequencies); trained length 256 = served length.
+PHI3_LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0, 1.3, 2.1, 3.4],
+    "long_factor": [1.2, 2.5, 4.0, 9.0],
+    "original_max_position_embeddings": 256,
+    "partial_rotary_factor": 0.5,
+}
+
 # Other dense families: (transformers config class, model class, config overrides).
 DENSE_FAMILIES = {
     # a window shorter than the longer test prompts, so the window really cuts
     "mistral_swa": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),
     # fused qkv / gate_up projections in the checkpoint; a window shorter than long prompts
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 24, "pad_token_id": 0}),
+    # half the head rotated, LongRoPE's short factors (served within the trained length)
+    "phi3_longrope": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {
+            "partial_rotary_factor": 0.5,
+            "rope_parameters": PHI3_LONGROPE,
+            "original_max_position_embeddings": 256,
+            "pad_token_id": 0,
+        },
+    ),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    # windows on the layers from max_window_layers up only
+    "qwen2_swa": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+    ),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    # caps small enough to bend real scores, a softmax scale off 1/sqrt(head_dim), and a
+    # windowed layer next to a full one
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 10.0,
+            "sliding_window": 16,
+        },
+    ),
+    # windowed and full layers with rope bases (and scaling) of their own
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            },
+        },
+    ),
     # head_dim 24 != hidden_size / num_attention_heads, as in the real Qwen3 models
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24, "attention_bias": False}),
 }

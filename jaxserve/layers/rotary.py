@@ -21,27 +21,40 @@ ROPE_REQUIRED_KEYS = {
     "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
     "yarn": ("factor",),
+    "longrope": ("long_factor", "short_factor"),
 }
 SUPPORTED_ROPE_TYPES = tuple(ROPE_REQUIRED_KEYS)
 
 
-def rope_parameters(hf_config: Mapping) -> dict:
+def rope_parameters(hf_config: Mapping, layer_type: str = "full_attention") -> dict:
     """The rope settings of a config in either spelling: transformers 5's `rope_parameters`
-    or the older `rope_theta` + `rope_scaling`."""
+    or the older `rope_theta` + `rope_scaling`. Configs whose layer types rotate differently
+    (Gemma 3) nest one such dict per layer type; `layer_type` picks one."""
     params = dict(hf_config.get("rope_parameters") or {})
+    if isinstance(params.get(layer_type), Mapping):
+        params = dict(params[layer_type])
     scaling = hf_config.get("rope_scaling") or {}
     params = {**scaling, **params}
     params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    for key in ("partial_rotary_factor", "original_max_position_embeddings"):
+        if hf_config.get(key) is not None:
+            params.setdefault(key, hf_config[key])
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    params["rope_type"] = rope_type
+    params["rope_type"] = "longrope" if rope_type == "su" else rope_type  # early Phi-3 configs say "su"
     return params
+
+
+def _original_max(params: Mapping, hf_config: Mapping) -> int:
+    return int(
+        params.get("original_max_position_embeddings") or hf_config.get("max_position_embeddings", 2048)
+    )
 
 
 def max_len_with_rope_scaling(hf_config: Mapping) -> tuple[int, str]:
     """The longest context the model supports, and where that number comes from. As vLLM
     does: linear, dynamic and YaRN scaling stretch the trained length by their factor (YaRN
     from its original length); llama3-style configs already state the stretched length."""
-    max_pos = int(hf_config.get("max_position_embeddings") or 2048)
+    max_pos = int(hf_config.get("max_position_embeddings") or hf_config.get("n_positions") or 2048)
     params = rope_parameters(hf_config)
     kind = params["rope_type"]
     if kind in ("linear", "dynamic", "yarn") and params.get("factor"):
@@ -52,18 +65,18 @@ def max_len_with_rope_scaling(hf_config: Mapping) -> tuple[int, str]:
     return max_pos, "max_position_embeddings"
 
 
-def rope_inv_freq(hf_config: Mapping, head_dim: int, max_model_len: int) -> np.ndarray:  # [head_dim // 2]
-    params = rope_parameters(hf_config)
+def rope_inv_freq(
+    hf_config: Mapping, head_dim: int, max_model_len: int, layer_type: str = "full_attention"
+) -> np.ndarray:  # [head_dim // 2]
+    params = rope_parameters(hf_config, layer_type)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
         )
     base = float(params["rope_theta"])
-    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-    original_max = int(
-        params.get("original_max_position_embeddings") or hf_config.get("max_position_embeddings", 2048)
-    )
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))  # the rotated leading dims
+    original_max = _original_max(params, hf_config)
     if rope_type == "dynamic":
         # vLLM's choice: scale once for the served length, so a token's rotation never depends
         # on what else is in the batch (transformers rescales per forward pass).
@@ -71,7 +84,17 @@ def rope_inv_freq(hf_config: Mapping, head_dim: int, max_model_len: int) -> np.n
         if max_model_len > original_max:
             base *= ((factor * max_model_len / original_max) - (factor - 1)) ** (dim / (dim - 2))
     inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    if rope_type == "linear":
+    if rope_type == "longrope":
+        # vLLM's choice again: the long factors whenever the served length passes the trained
+        # one (transformers switches per forward pass, on the length of the sequence).
+        long = max_model_len > original_max
+        factors = np.asarray(params["long_factor" if long else "short_factor"], np.float64)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(
+                f"longrope factors have {factors.size} entries, the rotary needs {inv_freq.size}."
+            )
+        inv_freq = inv_freq / factors
+    elif rope_type == "linear":
         inv_freq = inv_freq / float(params["factor"])
     elif rope_type == "llama3":
         factor = float(params["factor"])
@@ -116,15 +139,18 @@ def _yarn_inv_freq(
 
 
 def rope_attention_scaling(hf_config: Mapping) -> float:
-    """The factor YaRN applies to cos and sin (so to q.k twice); 1 for every other type."""
+    """The factor YaRN and LongRoPE apply to cos and sin (so to q.k twice); 1 for every other type."""
     params = rope_parameters(hf_config)
-    if params["rope_type"] != "yarn":
+    if params["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if params.get("attention_factor") is not None:
         return float(params["attention_factor"])
-    original_max = int(
-        params.get("original_max_position_embeddings") or hf_config.get("max_position_embeddings", 2048)
-    )
+    original_max = _original_max(params, hf_config)
+    if params["rope_type"] == "longrope":
+        factor = float(
+            params.get("factor") or hf_config.get("max_position_embeddings", original_max) / original_max
+        )
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original_max))
     factor = _yarn_factor(params, hf_config, original_max)
 
     def mscale(scale: float, m: float = 1.0) -> float:
@@ -138,9 +164,13 @@ def rope_attention_scaling(hf_config: Mapping) -> float:
 def apply_rope(
     x: jax.Array,  # [num_tokens, num_heads, head_dim]
     positions: jax.Array,  # [num_tokens] int32
-    inv_freq: jax.Array,  # [head_dim // 2]
+    inv_freq: jax.Array,  # [rotary_dim // 2]: the first rotary_dim dims rotate (partial rotary)
     scaling: float = 1.0,  # rope_attention_scaling
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]
+    rotary_dim = 2 * inv_freq.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        rotated = apply_rope(x[..., :rotary_dim], positions, inv_freq, scaling)
+        return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [num_tokens, head_dim // 2]
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]

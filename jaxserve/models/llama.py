@@ -1,5 +1,9 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral) as a Flax NNX module; Qwen2 and Qwen3 are
-the same decoder with a few switches (see LlamaArgs).
+"""The Llama family (Llama 2/3, SmolLM2, Mistral) as a Flax NNX module. Qwen2/3, Phi-3
+and Gemma 1/2/3 are the same decoder with switches (see LlamaArgs); each family's file
+says how its config sets them.
+
+Windows and rope frequencies may differ from layer to layer (Gemma 2/3, Qwen): those ride
+along the layer scan as per-layer inputs, so one compiled layer body still serves all.
 
 The decoder layers are stored stacked ([num_layers, ...] per weight) and run with one
 lax.scan, so compile time does not grow with depth. The KV pool of all layers is one
@@ -22,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.layers.activation import ACTIVATIONS
 from jaxserve.layers.attention import AttentionMetadata, paged_attention
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import apply_rope, rope_attention_scaling, rope_inv_freq
@@ -42,15 +47,26 @@ class LlamaArgs:
     o_bias: bool  # bias on the output projection (Llama's attention_bias only)
     mlp_bias: bool
     inv_freq: tuple[float, ...]
-    qk_norm: bool = False  # RMSNorm over head_dim on q and k before rope (Qwen3)
-    sliding_window: int | None = None  # every layer attends to at most this many keys (Mistral)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before rope (Qwen3, Gemma 3)
+    # Keys each layer attends to at most (None: all). One window for every layer (Mistral),
+    # or alternating windowed and full layers (Gemma 2/3, Qwen with use_sliding_window).
+    layer_windows: tuple[int | None, ...] = ()
     rope_scaling: float = 1.0  # factor on cos/sin (YaRN's attention factor)
+    # Gemma's switches; the defaults are Llama's.
+    hidden_act: str = "silu"
+    norm_offset: float = 0.0  # norms scale by (norm_offset + weight), in float32 (Gemma: 1)
+    embed_scale: float | None = None  # embeddings are multiplied by this (Gemma: sqrt(hidden_size))
+    sandwich_norms: bool = False  # extra norms on the attention and MLP outputs (Gemma 2, 3)
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_soft_cap: float | None = None  # scores -> cap * tanh(score / cap)
+    final_soft_cap: float | None = None  # logits -> cap * tanh(logit / cap)
+    local_inv_freq: tuple[float, ...] | None = None  # rope of the windowed layers, if their own (Gemma 3)
 
     @classmethod
     def from_hf(cls, hf: Mapping, max_model_len: int) -> LlamaArgs:
         act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported for Llama-family models (only 'silu').")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}.")
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         return cls(
@@ -67,9 +83,24 @@ class LlamaArgs:
             o_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             inv_freq=tuple(rope_inv_freq(hf, head_dim, max_model_len).tolist()),
-            sliding_window=hf.get("sliding_window"),
+            layer_windows=layer_windows(hf),
             rope_scaling=rope_attention_scaling(hf),
+            hidden_act=act,
         )
+
+
+# A window no context reaches: how a full-attention layer is written among windowed ones.
+_NO_WINDOW = 2**30
+
+
+def layer_windows(hf: Mapping) -> tuple[int | None, ...]:
+    """Each layer's sliding window: `sliding_window` on the layers `layer_types` marks
+    "sliding_attention", or on every layer when the config has no layer_types (Mistral)."""
+    window = hf.get("sliding_window")
+    types = hf.get("layer_types") or ["sliding_attention"] * hf["num_hidden_layers"]
+    if len(types) != hf["num_hidden_layers"]:
+        raise ValueError(f"layer_types names {len(types)} layers, the model has {hf['num_hidden_layers']}.")
+    return tuple(int(window) if window and t == "sliding_attention" else None for t in types)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype, init: str = "normal"):
@@ -103,6 +134,9 @@ class LlamaLayers(nnx.Module):
             self.v_bias = _param(rngs, (n, kv), ("layers", "kv_heads"), dtype, "zeros")
         if a.o_bias:
             self.o_bias = _param(rngs, (n, e), ("layers", "embed"), dtype, "zeros")
+        if a.sandwich_norms:
+            self.attn_out_norm = _param(rngs, (n, e), ("layers", "norm"), dtype, "ones")
+            self.mlp_out_norm = _param(rngs, (n, e), ("layers", "norm"), dtype, "ones")
         if a.qk_norm:
             self.q_norm = _param(rngs, (n, a.head_dim), ("layers", "norm"), dtype, "ones")
             self.k_norm = _param(rngs, (n, a.head_dim), ("layers", "norm"), dtype, "ones")
@@ -119,6 +153,14 @@ def _linear(x: jax.Array, w: Mapping[str, jax.Array], name: str) -> jax.Array:
     y = x @ w[f"{name}_proj"]
     bias = w.get(f"{name}_bias")
     return y if bias is None else y + bias
+
+
+def _windows(layer_windows: tuple[int | None, ...]) -> tuple[int | None, np.ndarray | None]:
+    """(the window all layers share, None) when they agree, else (None, each layer's window
+    as an int32 array, full layers as _NO_WINDOW)."""
+    if len(set(layer_windows)) <= 1:
+        return (layer_windows[0] if layer_windows else None), None
+    return None, np.asarray([w or _NO_WINDOW for w in layer_windows], np.int32)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -142,43 +184,64 @@ class LlamaForCausalLM(nnx.Module):
         a = self.args
         num_tokens = input_ids.shape[0]
         pages_per_layer = kv_pool.shape[0] // a.num_layers
-        inv_freq = jnp.asarray(np.asarray(a.inv_freq, np.float32))
-        sm_scale = a.head_dim**-0.5
+        sm_scale = a.attn_scale or a.head_dim**-0.5
+        act = ACTIVATIONS[a.hidden_act]
         x = self.embed_tokens.value[input_ids]  # [num_tokens, hidden]
+        if a.embed_scale is not None:
+            x = x * jnp.asarray(a.embed_scale, x.dtype)
+
+        def norm(x, weight):
+            return rms_norm(x, weight, a.rms_norm_eps, a.norm_offset)
+
+        # Per-layer inputs of the scan besides the weights: the layer index, and the window
+        # and rope frequencies where layers differ in them.
+        xs = {"index": jnp.arange(a.num_layers, dtype=jnp.int32)}
+        shared_window, windows = _windows(a.layer_windows)
+        if windows is not None:
+            xs["window"] = jnp.asarray(windows)
+        inv_freq = jnp.asarray(np.asarray(a.inv_freq, np.float32))
+        if a.local_inv_freq is not None:
+            freqs = [a.local_inv_freq if w else a.inv_freq for w in a.layer_windows]
+            xs["inv_freq"] = jnp.asarray(np.asarray(freqs, np.float32))
 
         def layer(carry, xs):
             x, kv_pool = carry
-            w, index = xs
-            h = rms_norm(x, w["input_norm"], a.rms_norm_eps)
+            w, per_layer = xs
+            layer_freq = per_layer.get("inv_freq", inv_freq)
+            h = norm(x, w["input_norm"])
             q = _linear(h, w, "q").reshape(num_tokens, a.num_heads, a.head_dim)
             k = _linear(h, w, "k").reshape(num_tokens, a.num_kv_heads, a.head_dim)
             v = _linear(h, w, "v").reshape(num_tokens, a.num_kv_heads, a.head_dim)
             if a.qk_norm:
-                q = rms_norm(q, w["q_norm"], a.rms_norm_eps)
-                k = rms_norm(k, w["k_norm"], a.rms_norm_eps)
-            q = apply_rope(q, positions, inv_freq, a.rope_scaling)
-            k = apply_rope(k, positions, inv_freq, a.rope_scaling)
+                q = norm(q, w["q_norm"])
+                k = norm(k, w["k_norm"])
+            q = apply_rope(q, positions, layer_freq, a.rope_scaling)
+            k = apply_rope(k, positions, layer_freq, a.rope_scaling)
             attn, kv_pool = paged_attention(
                 q,
                 k,
                 v,
                 kv_pool,
-                index,
+                per_layer["index"],
                 pages_per_layer,
                 meta,
                 sm_scale=sm_scale,
-                sliding_window=a.sliding_window,
+                sliding_window=per_layer.get("window", shared_window),
+                soft_cap=a.attn_soft_cap,
             )
-            x = x + _linear(attn.reshape(num_tokens, -1), w, "o")
-            h = rms_norm(x, w["post_norm"], a.rms_norm_eps)
-            x = x + _linear(jax.nn.silu(_linear(h, w, "gate")) * _linear(h, w, "up"), w, "down")
+            out = _linear(attn.reshape(num_tokens, -1), w, "o")
+            x = x + (norm(out, w["attn_out_norm"]) if a.sandwich_norms else out)
+            h = norm(x, w["post_norm"])
+            out = _linear(act(_linear(h, w, "gate")) * _linear(h, w, "up"), w, "down")
+            x = x + (norm(out, w["mlp_out_norm"]) if a.sandwich_norms else out)
             return (x, kv_pool), None
 
-        xs = (self.layers.stacked(), jnp.arange(a.num_layers, dtype=jnp.int32))
-        (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), xs)
-        x = rms_norm(x[logits_indices], self.norm.value, a.rms_norm_eps)
+        (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), (self.layers.stacked(), xs))
+        x = norm(x[logits_indices], self.norm.value)
         head = self.embed_tokens.value.T if a.tie_word_embeddings else self.lm_head.value
         logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+        if a.final_soft_cap is not None:
+            logits = a.final_soft_cap * jnp.tanh(logits / a.final_soft_cap)
         return logits, kv_pool
 
     @staticmethod
@@ -190,13 +253,14 @@ class LlamaForCausalLM(nnx.Module):
         }
         if not args.tie_word_embeddings:
             table["lm_head.weight"] = ("lm_head", None, True)
-        per_layer = {
-            "input_layernorm.weight": ("input_norm", False),
-            "post_attention_layernorm.weight": ("post_norm", False),
-            "mlp.gate_proj.weight": ("gate_proj", True),
-            "mlp.up_proj.weight": ("up_proj", True),
-            "mlp.down_proj.weight": ("down_proj", True),
-        }
+        per_layer = {"input_layernorm.weight": ("input_norm", False)}
+        if args.sandwich_norms:  # Gemma 2/3 name their norms after where they sit
+            per_layer["post_attention_layernorm.weight"] = ("attn_out_norm", False)
+            per_layer["pre_feedforward_layernorm.weight"] = ("post_norm", False)
+            per_layer["post_feedforward_layernorm.weight"] = ("mlp_out_norm", False)
+        else:
+            per_layer["post_attention_layernorm.weight"] = ("post_norm", False)
+        per_layer |= {f"mlp.{p}_proj.weight": (f"{p}_proj", True) for p in ("gate", "up", "down")}
         for p in "qkvo":
             per_layer[f"self_attn.{p}_proj.weight"] = (f"{p}_proj", True)
             if args.o_bias if p == "o" else args.qkv_bias:

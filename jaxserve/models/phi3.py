@@ -1,22 +1,16 @@
-"""Phi-3: the Llama decoder with fused projections in its checkpoints (`qkv_proj` holds q,
-k and v stacked by rows; `gate_up_proj` holds gate then up) and, in the 4k models, a
-sliding window. The port is LlamaForCausalLM; this file maps the config and splits the
-fused tensors into the Llama names at load."""
+"""Phi-3 / Phi-3.5 / Phi-4-mini: the Llama decoder with fused projections in its checkpoints
+(`qkv_proj` holds q, k and v stacked by rows; `gate_up_proj` holds gate then up), in the
+4k models a sliding window, in the long-context ones LongRoPE, in some partial rotary
+(all three handled by the shared decoder and rotary.py). The port is LlamaForCausalLM;
+this file splits the fused tensors into the Llama names at load."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
 import numpy as np
 
 from jaxserve.models.llama import LlamaArgs
-
-
-def phi3_args(hf: Mapping, max_model_len: int) -> LlamaArgs:
-    params = hf.get("rope_parameters") or {}
-    if float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise ValueError("Phi-3 models with partial_rotary_factor < 1 are not supported by jaxserve yet.")
-    return LlamaArgs.from_hf(hf, max_model_len)
 
 
 def split_fused(name: str, tensor: np.ndarray, args: LlamaArgs) -> Iterator[tuple[str, np.ndarray]]:

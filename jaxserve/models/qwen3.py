@@ -8,8 +8,8 @@ import dataclasses
 from collections.abc import Mapping
 
 from jaxserve.models.llama import LlamaArgs
-from jaxserve.models.qwen2 import without_unused_window
+from jaxserve.models.qwen2 import with_layer_windows
 
 
 def qwen3_args(hf: Mapping, max_model_len: int) -> LlamaArgs:
-    return dataclasses.replace(LlamaArgs.from_hf(without_unused_window(hf), max_model_len), qk_norm=True)
+    return dataclasses.replace(LlamaArgs.from_hf(with_layer_windows(hf), max_model_len), qk_norm=True)

@@ -12,10 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.models.gemma import gemma2_args, gemma3_args, gemma_args
 from jaxserve.models.gpt2 import gpt2_args, gpt2_names
 from jaxserve.models.llama import LlamaArgs, LlamaForCausalLM
 from jaxserve.models.opt import OPTArgs, OPTForCausalLM, opt_names
-from jaxserve.models.phi3 import phi3_args, split_fused
+from jaxserve.models.phi3 import split_fused
 from jaxserve.models.qwen2 import qwen2_args
 from jaxserve.models.qwen3 import qwen3_args
 
@@ -29,11 +30,14 @@ class ModelEntry:
 
 
 _REGISTRY: dict[str, ModelEntry] = {
+    "GemmaForCausalLM": ModelEntry(LlamaForCausalLM, gemma_args),
+    "Gemma2ForCausalLM": ModelEntry(LlamaForCausalLM, gemma2_args),
+    "Gemma3ForCausalLM": ModelEntry(LlamaForCausalLM, gemma3_args),
     "GPT2LMHeadModel": ModelEntry(OPTForCausalLM, gpt2_args, gpt2_names),
     "LlamaForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf),
     "MistralForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf),
     "OPTForCausalLM": ModelEntry(OPTForCausalLM, OPTArgs.from_hf, opt_names),
-    "Phi3ForCausalLM": ModelEntry(LlamaForCausalLM, phi3_args, split_fused),
+    "Phi3ForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf, split_fused),
     "Qwen2ForCausalLM": ModelEntry(LlamaForCausalLM, qwen2_args),
     "Qwen3ForCausalLM": ModelEntry(LlamaForCausalLM, qwen3_args),
 }

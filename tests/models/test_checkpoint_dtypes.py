@@ -4,7 +4,8 @@ Served in float32 (dtype auto on CPU), a bfloat16 or float16 checkpoint must giv
 float32 logits of its own weights within 1e-4. Served in its own dtype, our rounding
 differs from torch's, so the bound is relative to torch's own half-precision error: our
 distance from the float32 logits may be at most twice torch's (plus a small floor), i.e.
-we lose no more precision than the reference implementation does.
+we lose no more precision than the reference implementation does. Gemma 2 rounds
+differently from Llama (norms scale in float32 and cast last), so it is checked too.
 """
 
 from __future__ import annotations
@@ -12,23 +13,29 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from reference_checks import prompt_logits, teacher_forced_logits
-from tiny_models import engine_kwargs, make_llama_checkpoint
+from tiny_models import engine_kwargs, make_family_checkpoint, make_llama_checkpoint
 
 from jaxserve.args import EngineArgs
 from jaxserve.runner.model_runner import ModelRunner
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float16"])
+@pytest.fixture(
+    scope="module", params=[("llama", "bfloat16"), ("llama", "float16"), ("gemma2", "bfloat16")], ids="-".join
+)
 def half_checkpoint(request, tmp_path_factory):
     """(path, dtype, transformers model loaded in that dtype, the same loaded in float32)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    path = tmp_path_factory.mktemp(f"llama-{request.param}")
-    make_llama_checkpoint(path, "gqa", dtype=request.param)
-    half = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, request.param)).eval()
+    family, dtype = request.param
+    path = tmp_path_factory.mktemp(f"{family}-{dtype}")
+    if family == "llama":
+        make_llama_checkpoint(path, "gqa", dtype=dtype)
+    else:
+        make_family_checkpoint(path, family, dtype=dtype)
+    half = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return str(path), request.param, half, full
+    return str(path), dtype, half, full
 
 
 def _runner(path: str, dtype: str) -> ModelRunner:
