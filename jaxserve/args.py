@@ -449,7 +449,9 @@ class EngineArgs:
     data_parallel_start_rank: int | None = arg(
         _PARALLEL, None, "First data-parallel rank on this host.", tier="B", short="-dpr"
     )
-    enable_expert_parallel: bool = arg(_PARALLEL, False, "Shard MoE experts across devices.", tier="B")
+    enable_expert_parallel: bool = arg(
+        _PARALLEL, False, "Split MoE layers by whole experts over the tensor-parallel devices."
+    )
     # mp and uni both describe what jaxserve does on one host: one process drives every local device.
     distributed_executor_backend: str | None = arg(
         _PARALLEL,
@@ -742,7 +744,10 @@ class EngineArgs:
                 preemption_mode=self.preemption_mode,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                enable_expert_parallel=self.enable_expert_parallel,
+            ),
             compilation_config=CompilationConfig(
                 enforce_eager=self.enforce_eager,
                 max_seq_len_to_capture=self.max_seq_len_to_capture,

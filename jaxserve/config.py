@@ -76,6 +76,8 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # MoE layers split whole experts over the "model" axis instead of slicing every expert
+    enable_expert_parallel: bool = False
 
 
 @dataclass(frozen=True)

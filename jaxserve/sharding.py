@@ -4,6 +4,9 @@ Models, the loader and the KV cache name their array axes logically ("vocab", "e
 "q_heads", ...); only this module knows that tensor parallelism means splitting some of
 them over the mesh axis "model" and data parallelism uses the axis "data". Changing how a
 model is sharded is a change to this table, never to a model file.
+
+Mixture-of-experts weights split over "model" either within each expert (its intermediate axis,
+like a dense MLP) or, with expert parallelism, by whole experts.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "q_heads": "model",  # flattened num_heads * head_dim of q projections
     "kv_heads": "model",  # flattened num_kv_heads * head_dim of k/v projections
     "mlp": "model",
+    "experts": None,  # the experts of an MoE layer
+    "expert_mlp": "model",  # each expert's intermediate axis
     "norm": None,
     "kv_pages": None,
     "kv_page_slots": None,
@@ -31,9 +36,13 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "head_dim": None,
 }
 
+# --enable-expert-parallel: whole experts per device instead of a slice of every expert.
+EXPERT_PARALLEL_RULES = {**LOGICAL_AXIS_RULES, "experts": "model", "expert_mlp": None}
 
-def logical_to_spec(axes: Sequence[str | None]) -> PartitionSpec:
-    return PartitionSpec(*(LOGICAL_AXIS_RULES.get(a) if a else None for a in axes))
+
+def logical_to_spec(axes: Sequence[str | None], expert_parallel: bool = False) -> PartitionSpec:
+    rules = EXPERT_PARALLEL_RULES if expert_parallel else LOGICAL_AXIS_RULES
+    return PartitionSpec(*(rules.get(a) if a else None for a in axes))
 
 
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices=None) -> Mesh:
@@ -48,15 +57,15 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, device
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def named_sharding(mesh: Mesh, axes: Sequence[str | None]) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(axes))
+def named_sharding(mesh: Mesh, axes: Sequence[str | None], expert_parallel: bool = False) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(axes, expert_parallel))
 
 
-def state_shardings(state: nnx.State, mesh: Mesh):
+def state_shardings(state: nnx.State, mesh: Mesh, expert_parallel: bool = False):
     """A pytree of NamedShardings matching `state`, from each Param's logical_axes."""
 
     def one(var):
         axes = var.get_metadata().get("logical_axes") or (None,) * var.value.ndim
-        return named_sharding(mesh, axes)
+        return named_sharding(mesh, axes, expert_parallel)
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

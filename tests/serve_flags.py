@@ -197,6 +197,7 @@ SHORT = {
 # Tier-B rows whose value jaxserve accepts: implemented already, or honoured trivially.
 ACCEPTED_B = {
     "--disable-sliding-window",  # caps max_model_len at the window
+    "--enable-expert-parallel",  # MoE models split whole experts over the tensor-parallel devices
     "--skip-tokenizer-init",  # token-id prompts only
     "--long-prefill-token-threshold",  # the scheduler uses it
     "--disable-cascade-attn",  # there is no cascade attention to disable

@@ -9,6 +9,7 @@ real shapes for benchmarking.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import jax
@@ -17,14 +18,23 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, ParallelConfig
 from jaxserve.models.registry import resolve_architecture
 from jaxserve.sharding import named_sharding, state_shardings
 
 
-def build_model_args(model_config: ModelConfig):
+def build_model_args(model_config: ModelConfig, parallel: ParallelConfig | None = None):
     _, entry = resolve_architecture(model_config.hf_config)
-    return entry, entry.make_args(model_config.hf_config, model_config.max_model_len)
+    args = entry.make_args(model_config.hf_config, model_config.max_model_len)
+    moe = getattr(args, "moe", None)  # expert parallelism means something only to MoE models
+    if moe is not None and parallel is not None and parallel.enable_expert_parallel:
+        if moe.num_experts % parallel.tensor_parallel_size:
+            raise ValueError(
+                f"--enable-expert-parallel: {moe.num_experts} experts do not split evenly over "
+                f"tensor_parallel_size={parallel.tensor_parallel_size}."
+            )
+        args = dataclasses.replace(args, moe=dataclasses.replace(moe, expert_parallel=True))
+    return entry, args
 
 
 def _checkpoint_tensors(model_config: ModelConfig) -> Iterable[tuple[str, np.ndarray]]:
@@ -38,9 +48,13 @@ def _checkpoint_tensors(model_config: ModelConfig) -> Iterable[tuple[str, np.nda
     return iter_safetensors(model_config.model, use_tqdm=use_tqdm)
 
 
-def load_model(model_config: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State]:
+def load_model(
+    model_config: ModelConfig, mesh: Mesh, parallel: ParallelConfig | None = None
+) -> tuple[nnx.GraphDef, nnx.State]:
     """Returns the model split once into (graphdef, sharded state)."""
-    entry, args = build_model_args(model_config)
+    entry, args = build_model_args(model_config, parallel)
+    moe = getattr(args, "moe", None)
+    expert_parallel = moe is not None and moe.expert_parallel
     dtype = jnp.dtype(model_config.dtype)
     seed = model_config.seed
 
@@ -49,16 +63,19 @@ def load_model(model_config: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, nnx
 
     graphdef, abstract = nnx.split(nnx.eval_shape(create))
     if model_config.load_format == "dummy":
-        init = jax.jit(lambda: nnx.split(create())[1], out_shardings=state_shardings(abstract, mesh))
+        shardings = state_shardings(abstract, mesh, expert_parallel)
+        init = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)
         return graphdef, init()
     if model_config.load_format == "orbax":
         from jaxserve.loader import orbax
 
-        return graphdef, orbax.restore(model_config.model, abstract, state_shardings(abstract, mesh))
+        return graphdef, orbax.restore(
+            model_config.model, abstract, state_shardings(abstract, mesh, expert_parallel)
+        )
 
     flat = dict(nnx.to_flat_state(abstract))
     buffers: dict[str, np.ndarray] = {}
-    filled: dict[str, set] = {}
+    filled: set[str] = set()
     weight_map = entry.model_cls.hf_weight_map(args)
     tensors = _checkpoint_tensors(model_config)
     if entry.split_tensors is not None:
@@ -70,25 +87,25 @@ def load_model(model_config: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, nnx
             ):
                 continue
             raise ValueError(f"Checkpoint {model_config.model} has an unexpected tensor {name!r}.")
-        path, layer, transpose = weight_map[name]
+        path, index, transpose = weight_map[name]  # index: layer, (layer, expert) or None
+        index = () if index is None else index if isinstance(index, tuple) else (index,)
         key = tuple(path.split("."))
         target = flat[key].value
         tensor = tensor.T if transpose else tensor
-        want = target.shape[1:] if layer is not None else target.shape
+        want = target.shape[len(index) :]
         if tuple(tensor.shape) != tuple(want):
             raise ValueError(
                 f"Checkpoint {model_config.model}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                 f"the model expects {tuple(want)}."
             )
-        if layer is None:
+        if not index:
             buffers[path] = np.asarray(tensor)
         else:
             buf = buffers.get(path)
             if buf is None:
                 buf = buffers[path] = np.empty(target.shape, dtype=tensor.dtype)
-            buf[layer] = tensor
-            filled.setdefault(path, set()).add(layer)
-        filled.setdefault(name, set())
+            buf[index] = tensor
+        filled.add(name)
     missing = sorted(n for n in weight_map if n not in filled)
     if missing:
         raise ValueError(
@@ -96,6 +113,6 @@ def load_model(model_config: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, nnx
         )
     for key, var in flat.items():
         path = ".".join(map(str, key))
-        sharding = named_sharding(mesh, var.get_metadata()["logical_axes"])
+        sharding = named_sharding(mesh, var.get_metadata()["logical_axes"], expert_parallel)
         var.value = jax.device_put(buffers[path].astype(dtype), sharding)
     return graphdef, nnx.from_flat_state(flat)

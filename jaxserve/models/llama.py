@@ -1,6 +1,6 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral) as a Flax NNX module. Qwen2/3, Phi-3
-and Gemma 1/2/3 are the same decoder with switches (see LlamaArgs); each family's file
-says how its config sets them.
+"""The Llama family (Llama 2/3, SmolLM2, Mistral) as a Flax NNX module. Qwen2/3, Phi-3,
+Gemma 1/2/3, and the mixture-of-experts Mixtral and Qwen3-MoE are the same decoder with
+switches (see LlamaArgs); each family's file says how its config sets them.
 
 Windows and rope frequencies may differ from layer to layer (Gemma 2/3, Qwen): those ride
 along the layer scan as per-layer inputs, so one compiled layer body still serves all.
@@ -28,6 +28,7 @@ from flax import nnx
 
 from jaxserve.layers.activation import ACTIVATIONS
 from jaxserve.layers.attention import AttentionMetadata, paged_attention
+from jaxserve.layers.moe import MoEArgs, moe_mlp
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import apply_rope, rope_attention_scaling, rope_inv_freq
 
@@ -61,6 +62,7 @@ class LlamaArgs:
     attn_soft_cap: float | None = None  # scores -> cap * tanh(score / cap)
     final_soft_cap: float | None = None  # logits -> cap * tanh(logit / cap)
     local_inv_freq: tuple[float, ...] | None = None  # rope of the windowed layers, if their own (Gemma 3)
+    moe: MoEArgs | None = None  # a mixture of experts in place of every layer's MLP (Mixtral, Qwen3-MoE)
 
     @classmethod
     def from_hf(cls, hf: Mapping, max_model_len: int) -> LlamaArgs:
@@ -125,9 +127,16 @@ class LlamaLayers(nnx.Module):
         self.v_proj = _param(rngs, (n, e, kv), ("layers", "embed", "kv_heads"), dtype)
         self.o_proj = _param(rngs, (n, q, e), ("layers", "q_heads", "embed"), dtype)
         self.post_norm = _param(rngs, (n, e), ("layers", "norm"), dtype, "ones")
-        self.gate_proj = _param(rngs, (n, e, m), ("layers", "embed", "mlp"), dtype)
-        self.up_proj = _param(rngs, (n, e, m), ("layers", "embed", "mlp"), dtype)
-        self.down_proj = _param(rngs, (n, m, e), ("layers", "mlp", "embed"), dtype)
+        if a.moe:
+            x, m = a.moe.num_experts, a.moe.intermediate_size
+            self.router = _param(rngs, (n, e, x), ("layers", "embed", None), dtype)
+            self.expert_gate = _param(rngs, (n, x, e, m), ("layers", "experts", "embed", "expert_mlp"), dtype)
+            self.expert_up = _param(rngs, (n, x, e, m), ("layers", "experts", "embed", "expert_mlp"), dtype)
+            self.expert_down = _param(rngs, (n, x, m, e), ("layers", "experts", "expert_mlp", "embed"), dtype)
+        else:
+            self.gate_proj = _param(rngs, (n, e, m), ("layers", "embed", "mlp"), dtype)
+            self.up_proj = _param(rngs, (n, e, m), ("layers", "embed", "mlp"), dtype)
+            self.down_proj = _param(rngs, (n, m, e), ("layers", "mlp", "embed"), dtype)
         if a.qkv_bias:
             self.q_bias = _param(rngs, (n, q), ("layers", "q_heads"), dtype, "zeros")
             self.k_bias = _param(rngs, (n, kv), ("layers", "kv_heads"), dtype, "zeros")
@@ -232,7 +241,10 @@ class LlamaForCausalLM(nnx.Module):
             out = _linear(attn.reshape(num_tokens, -1), w, "o")
             x = x + (norm(out, w["attn_out_norm"]) if a.sandwich_norms else out)
             h = norm(x, w["post_norm"])
-            out = _linear(act(_linear(h, w, "gate")) * _linear(h, w, "up"), w, "down")
+            if a.moe:
+                out = moe_mlp(h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"], a.moe)
+            else:
+                out = _linear(act(_linear(h, w, "gate")) * _linear(h, w, "up"), w, "down")
             x = x + (norm(out, w["mlp_out_norm"]) if a.sandwich_norms else out)
             return (x, kv_pool), None
 
@@ -245,9 +257,10 @@ class LlamaForCausalLM(nnx.Module):
         return logits, kv_pool
 
     @staticmethod
-    def hf_weight_map(args: LlamaArgs) -> dict[str, tuple[str, int | None, bool]]:
-        """HF tensor name -> (our parameter path, layer index or None, transpose?)."""
-        table: dict[str, tuple[str, int | None, bool]] = {
+    def hf_weight_map(args: LlamaArgs) -> dict[str, tuple[str, int | tuple[int, int] | None, bool]]:
+        """HF tensor name -> (our parameter path, index into its leading axes: layer,
+        (layer, expert) or None, transpose?)."""
+        table: dict[str, tuple[str, int | tuple[int, int] | None, bool]] = {
             "model.embed_tokens.weight": ("embed_tokens", None, False),
             "model.norm.weight": ("norm", None, False),
         }
@@ -260,7 +273,8 @@ class LlamaForCausalLM(nnx.Module):
             per_layer["post_feedforward_layernorm.weight"] = ("mlp_out_norm", False)
         else:
             per_layer["post_attention_layernorm.weight"] = ("post_norm", False)
-        per_layer |= {f"mlp.{p}_proj.weight": (f"{p}_proj", True) for p in ("gate", "up", "down")}
+        if not args.moe:
+            per_layer |= {f"mlp.{p}_proj.weight": (f"{p}_proj", True) for p in ("gate", "up", "down")}
         for p in "qkvo":
             per_layer[f"self_attn.{p}_proj.weight"] = (f"{p}_proj", True)
             if args.o_bias if p == "o" else args.qkv_bias:
@@ -274,4 +288,10 @@ class LlamaForCausalLM(nnx.Module):
         for i in range(args.num_layers):
             for hf_name, (ours, transpose) in per_layer.items():
                 table[f"model.layers.{i}.{hf_name}"] = (f"layers.{ours}", i, transpose)
+            if args.moe:  # Qwen3-MoE's names; other MoE families are renamed to them at load
+                table[f"model.layers.{i}.mlp.gate.weight"] = ("layers.router", i, True)
+                for j in range(args.moe.num_experts):
+                    for p in ("gate", "up", "down"):
+                        name = f"model.layers.{i}.mlp.experts.{j}.{p}_proj.weight"
+                        table[name] = (f"layers.expert_{p}", (i, j), True)
         return table

@@ -15,10 +15,12 @@ import numpy as np
 from jaxserve.models.gemma import gemma2_args, gemma3_args, gemma_args
 from jaxserve.models.gpt2 import gpt2_args, gpt2_names
 from jaxserve.models.llama import LlamaArgs, LlamaForCausalLM
+from jaxserve.models.mixtral import mixtral_args, rename_experts
 from jaxserve.models.opt import OPTArgs, OPTForCausalLM, opt_names
 from jaxserve.models.phi3 import split_fused
 from jaxserve.models.qwen2 import qwen2_args
 from jaxserve.models.qwen3 import qwen3_args
+from jaxserve.models.qwen3_moe import qwen3_moe_args, split_stacked_experts
 
 
 @dataclass(frozen=True)
@@ -36,10 +38,12 @@ _REGISTRY: dict[str, ModelEntry] = {
     "GPT2LMHeadModel": ModelEntry(OPTForCausalLM, gpt2_args, gpt2_names),
     "LlamaForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf),
     "MistralForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf),
+    "MixtralForCausalLM": ModelEntry(LlamaForCausalLM, mixtral_args, rename_experts),
     "OPTForCausalLM": ModelEntry(OPTForCausalLM, OPTArgs.from_hf, opt_names),
     "Phi3ForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf, split_fused),
     "Qwen2ForCausalLM": ModelEntry(LlamaForCausalLM, qwen2_args),
     "Qwen3ForCausalLM": ModelEntry(LlamaForCausalLM, qwen3_args),
+    "Qwen3MoeForCausalLM": ModelEntry(LlamaForCausalLM, qwen3_moe_args, split_stacked_experts),
 }
 
 

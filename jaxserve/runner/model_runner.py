@@ -46,9 +46,9 @@ class ModelRunner:
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         enable_compilation_cache(config.compilation_config.cache_dir)
         self.mesh = mesh or make_mesh(config.parallel_config.tensor_parallel_size)
-        _, self.args = build_model_args(mc)
+        _, self.args = build_model_args(mc, config.parallel_config)
         start = time.perf_counter()
-        self.graphdef, self.state = load_model(mc, self.mesh)
+        self.graphdef, self.state = load_model(mc, self.mesh, config.parallel_config)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.state))
         logger.info("Loaded weights (%.1f MiB) in %.2f s", weight_bytes / 2**20, time.perf_counter() - start)
 
@@ -91,7 +91,8 @@ class ModelRunner:
         compiled = self._compiled.get(bucket)
         if compiled is None:
             inputs = jax.device_put(self._dummy_inputs(*bucket), self._replicated)
-            compiled = self._jitted.lower(self.state, self.kv_pool, inputs).compile()
+            with jax.set_mesh(self.mesh):  # layers that split work by hand (MoE experts) read it
+                compiled = self._jitted.lower(self.state, self.kv_pool, inputs).compile()
             self._compiled[bucket] = compiled
         return compiled
 
