@@ -65,6 +65,8 @@ class SamplingParams:
             raise bad("n", "must be an integer >= 1")
         if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
             raise bad("best_of", f"must be an integer >= n ({self.n})")
+        if (self.best_of or 1) > 1 and self.temperature < _GREEDY_EPS:
+            raise bad("best_of", "must be 1 when using greedy sampling (temperature 0)")
         if self.temperature < 0.0:
             raise bad("temperature", "must be non-negative")
         if not 0.0 < self.top_p <= 1.0:
@@ -100,27 +102,3 @@ class SamplingParams:
 
     def clone(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)
-
-
-# Fields whose effect is not applied by the engine yet; a request that sets one is refused
-# rather than silently served without it.
-_NOT_YET = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "logit_bias": None,
-    "allowed_token_ids": None,
-    "bad_words": None,
-    "logprobs": None,
-    "prompt_logprobs": None,
-}
-
-
-def check_supported(params: SamplingParams) -> None:
-    """Raise ValueError naming the first field set to a value the engine cannot honour."""
-    for name, default in _NOT_YET.items():
-        value = getattr(params, name)
-        if value != default and not (default is None and value in ({}, [])):
-            raise ValueError(f"SamplingParams.{name}={value!r} is not supported by jaxserve yet.")
-    if params.best_of is not None and params.best_of != params.n:
-        raise ValueError("SamplingParams.best_of different from n is not supported by jaxserve yet.")

@@ -8,7 +8,7 @@ frozen data: neither side holds a reference into the other's state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,7 +26,30 @@ class SamplingRow:
     min_p: float
     seed: int  # the request's effective seed
     step: int  # index of the token being sampled (output tokens so far); folded into the key
-    banned_token_ids: tuple[int, ...] = ()  # masked out (eos and stop ids before min_tokens)
+    banned_token_ids: tuple[int, ...] = ()  # masked out this step (see _banned_token_ids)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    slot: int = -1  # the request's logit-processing slot on the device, -1 = none
+    logprobs: int | None = None  # the request's `logprobs`: top-k wanted (and the sampled token's rank)
+
+
+@dataclass(frozen=True)
+class LogitsSpec:
+    """What a request's device slot holds besides its token history, fixed for its life."""
+
+    bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit); -inf: never
+    allowed_token_ids: tuple[int, ...] | None = None  # None: all
+
+
+@dataclass(frozen=True)
+class SlotInit:
+    """Fill a device slot for a request about to sample: its bias row and token history."""
+
+    slot: int
+    spec: LogitsSpec
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]  # non-empty when a preempted request resumes
 
 
 @dataclass(frozen=True)
@@ -36,6 +59,10 @@ class ScheduledSeq:
     start_pos: int  # tokens of this sequence already in the KV cache
     block_ids: tuple[int, ...]  # the sequence's page table, covering start_pos + num_new tokens
     sampling: SamplingRow | None  # None while a prefill chunk has not reached the prompt's end
+    slot_init: SlotInit | None = None  # set on the first step after the request got its slot
+    # prompt_logprobs: for each fed prompt token that has a successor in the prompt, that
+    # successor (the token whose logprob this row's logits give); None when not asked for.
+    prompt_logprob_targets: tuple[int, ...] | None = None
 
     @property
     def num_new(self) -> int:
@@ -56,7 +83,20 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class TopLogprobs:
+    """Host copy of ranked logprobs: per row, the top-k candidates and one chosen token."""
+
+    ids: np.ndarray  # [rows, k] int32, most likely first
+    logprobs: np.ndarray  # [rows, k] float32
+    chosen_logprobs: np.ndarray  # [rows] float32
+    chosen_ranks: np.ndarray  # [rows] int32, 1 = the most likely
+
+
+@dataclass(frozen=True)
 class ModelRunnerOutput:
     req_ids: tuple[str, ...]  # requests that sampled a token this step, in SchedulerOutput order
     sampled_token_ids: np.ndarray  # [num_sampled] int32
     logprobs: np.ndarray  # [num_sampled] float32, log-probability of each sampled token
+    top_logprobs: TopLogprobs | None = None  # rows as req_ids, when some row asked for logprobs
+    # request id -> the ranked logprobs of the prompt_logprob_targets fed this step
+    prompt_logprobs: dict[str, TopLogprobs] = field(default_factory=dict)

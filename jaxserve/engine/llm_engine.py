@@ -28,10 +28,10 @@ from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from jaxserve.loader.generation_config import read_generation_config, sampling_defaults
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.sampling_params import SamplingParams, check_supported
-from jaxserve.scheduler_output import MAX_BANNED_TOKENS
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler_output import MAX_BANNED_TOKENS, LogitsSpec, TopLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,13 @@ class ParentRequest:
     prompt_token_ids: list[int]
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
+    # Logprob dicts already built, per child and for the prompt (built once, as rows arrive).
+    logprob_dicts: list[list[dict]] = field(default_factory=list)
+    prompt_logprob_dicts: list[dict] = field(default_factory=list)
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    n: int = 1  # samples to return
+    best_of: int = 1  # samples to run (the n of highest cumulative logprob are returned)
 
     @property
     def finished(self) -> bool:
@@ -140,7 +145,6 @@ class LLMEngine:
         input. Touches no queue, so a server may call it off the engine's thread."""
         if request_id in self._parents:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        check_supported(params)
         if priority != 0 and self.config.scheduler_config.policy != "priority":
             raise ValueError("priority is only honoured with scheduling_policy='priority'.")
         text, token_ids = self.tokenize_prompt(prompt)
@@ -155,22 +159,36 @@ class LLMEngine:
                 f"The prompt has {len(token_ids)} tokens; max_model_len is {max_len}, which leaves no room "
                 "to generate."
             )
-        if params.min_tokens and len(set(params.stop_token_ids) | self.extra_eos_ids) + 1 > MAX_BANNED_TOKENS:
+        self._check_logprobs(params)
+        spec, bad_words = self._logits_spec(params)
+        masked = len(bad_words) + (
+            len(set(params.stop_token_ids) | self.extra_eos_ids) + 1 if params.min_tokens else 0
+        )
+        if masked > MAX_BANNED_TOKENS:
             raise ValueError(
-                f"min_tokens with more than {MAX_BANNED_TOKENS - 1} stop_token_ids is not supported."
+                f"At most {MAX_BANNED_TOKENS} token ids can be masked per step: min_tokens masks the EOS and "
+                f"stop token ids, and each multi-token bad word one more; this request needs {masked}."
             )
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         room = max_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        parent = ParentRequest(request_id, text, token_ids, [], arrival_time=arrival_time)
-        for i in range(params.n):
+        parent = ParentRequest(
+            request_id,
+            text,
+            token_ids,
+            [],
+            arrival_time=arrival_time,
+            n=params.n,
+            best_of=params.best_of or params.n,
+        )
+        for i in range(params.best_of or params.n):
             child_params = params.clone(n=1, best_of=None)
             if params.seed is not None:
                 child_params.seed = params.seed + i
             child_params.stop_token_ids = sorted(set(child_params.stop_token_ids) | self.extra_eos_ids)
             seed = child_params.seed if child_params.seed is not None else int(self._seed_rng.integers(2**31))
             child = Request(
-                request_id if params.n == 1 else f"{i}_{request_id}",
+                request_id if parent.best_of == 1 else f"{i}_{request_id}",
                 token_ids,
                 child_params,
                 seed=seed,
@@ -180,12 +198,75 @@ class LLMEngine:
                 arrival_time=arrival_time,
                 max_tokens=max_tokens,
             )
+            child.logits_spec, child.bad_words = spec, bad_words
+            child.wants_prompt_logprobs = params.prompt_logprobs is not None and i == 0  # once per request
+            child.shares_prompt_with = parent.children[0] if i else None
             parent.children.append(child)
+            parent.logprob_dicts.append([])
             det = None
             if self.tokenizer is not None and child_params.detokenize:
                 det = IncrementalDetokenizer(self.tokenizer, child)
             parent.detokenizers.append(det)
         return parent
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        limit = self.config.model_config.max_logprobs
+        for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            value = getattr(params, name)
+            if value is not None and limit != -1 and (value == -1 or value > limit):
+                raise ValueError(
+                    f"Requested {what} logprobs of {value}, which is greater than max allowed: {limit} "
+                    "(--max-logprobs)."
+                )
+
+    def _logits_spec(self, params: SamplingParams) -> tuple[LogitsSpec | None, tuple[tuple[int, ...], ...]]:
+        """The request's device slot contents (None if it needs no slot) and its multi-token
+        bad words; ValueError for token ids outside the vocabulary."""
+        vocab = self.runner.args.vocab_size
+
+        def check(ids, what: str) -> None:
+            bad = sorted({t for t in ids if not 0 <= t < vocab})
+            if bad:
+                raise ValueError(f"{what} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}.")
+
+        bias = [(int(t), float(v)) for t, v in (params.logit_bias or {}).items()]
+        check([t for t, _ in bias], "logit_bias")
+        allowed = params.allowed_token_ids
+        if allowed is not None:
+            if not allowed:
+                raise ValueError("allowed_token_ids must not be empty.")
+            check(allowed, "allowed_token_ids")
+            allowed = tuple(sorted(set(allowed)))
+        multi: list[tuple[int, ...]] = []
+        for ids in self._bad_words_token_ids(params.bad_words or []):
+            if len(ids) == 1:
+                bias.append((ids[0], -float("inf")))
+            elif tuple(ids) not in multi:
+                multi.append(tuple(ids))
+        penalised = (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) != (
+            0.0,
+            0.0,
+            1.0,
+        )
+        needs_slot = penalised or bias or allowed is not None
+        return (LogitsSpec(tuple(bias), allowed) if needs_slot else None), tuple(multi)
+
+    def _bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """Each bad word as the tokenizer writes it at the start of a text and, where that
+        differs, after a space (vLLM's rule: the spaced form counts when it is as many tokens
+        and starts with a different one)."""
+        if words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer (skip_tokenizer_init is set).")
+        out = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError(f"bad_words entry {word!r} has no tokens.")
+            out.append(plain)
+            if len(spaced) == len(plain) and spaced[0] != plain[0]:
+                out.append(spaced)
+        return out
 
     def enqueue(self, parent: ParentRequest) -> None:
         """Hand a request built by make_request to the scheduler."""
@@ -249,7 +330,8 @@ class LLMEngine:
                     )
             self._record_token(stats, parent, req, now)
             changed[parent.request_id] = parent
-        outputs = [self._make_output(p) for p in changed.values()]
+        # best_of > n reports only at the end, when the best samples are known
+        outputs = [self._make_output(p) for p in changed.values() if p.finished or p.best_of == p.n]
         for out in outputs:
             if out.finished:
                 parent = self._parents.pop(out.request_id)
@@ -328,23 +410,74 @@ class LLMEngine:
         )
 
     def _make_output(self, parent: ParentRequest) -> RequestOutput:
+        """The request's outputs so far. With best_of > n, the n samples of highest
+        cumulative logprob once all have finished (nothing is reported before)."""
+        chosen = list(range(len(parent.children)))
+        if parent.best_of > parent.n:
+            if parent.finished:
+                chosen.sort(key=lambda i: -parent.children[i].cumulative_logprob)
+            chosen = chosen[: parent.n] if parent.finished else []
         completions = []
-        for i, (child, det) in enumerate(zip(parent.children, parent.detokenizers)):
+        for index, i in enumerate(chosen):
+            child, det = parent.children[i], parent.detokenizers[i]
+            wants = child.sampling_params.logprobs is not None
             completions.append(
                 CompletionOutput(
-                    index=i,
+                    index=index,
                     text=det.stream_text(child.is_finished) if det is not None else "",
                     token_ids=list(child.output_token_ids),
-                    cumulative_logprob=child.cumulative_logprob,
+                    cumulative_logprob=child.cumulative_logprob if wants else None,
+                    logprobs=self._logprob_dicts(
+                        parent.logprob_dicts[i],
+                        child.output_logprobs,
+                        child.output_token_ids,
+                        child.sampling_params.logprobs,
+                    )
+                    if wants
+                    else None,
                     finish_reason=child.status.finish_reason,
                     stop_reason=child.stop_reason,
                 )
             )
+        first = parent.children[0]
+        prompt_logprobs = None
+        if first.wants_prompt_logprobs:
+            dicts = self._logprob_dicts(
+                parent.prompt_logprob_dicts,
+                first.prompt_logprobs,
+                parent.prompt_token_ids[1:],
+                first.sampling_params.prompt_logprobs,
+            )
+            prompt_logprobs = [None, *dicts]
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             outputs=completions,
             finished=parent.finished,
-            num_cached_tokens=parent.children[0].num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=first.num_cached_tokens,
         )
+
+    def _logprob_dicts(
+        self, built: list[dict], rows: list[TopLogprobs], chosen: Sequence[int], k: int
+    ) -> list[dict[int, Logprob]]:
+        """vLLM's logprobs: per position the chosen token, then the top k (-1: all) with
+        their ranks and texts. Extends `built` with the rows that arrived since."""
+        for row, token in zip(rows[len(built) :], chosen[len(built) :]):
+            k_row = len(row.ids) if k == -1 else k
+            ids = [int(token), *row.ids[:k_row].tolist()]
+            lps = [float(row.chosen_logprobs), *row.logprobs[:k_row].tolist()]
+            ranks = [int(row.chosen_ranks), *range(1, k_row + 1)]
+            texts = self._token_texts(ids)
+            entry: dict[int, Logprob] = {}
+            for t, lp, rank, text in zip(ids, lps, ranks, texts):
+                entry.setdefault(t, Logprob(lp, rank, text))
+            built.append(entry)
+        return list(built)
+
+    def _token_texts(self, ids: list[int]) -> list[str | None]:
+        if self.tokenizer is None:
+            return [None] * len(ids)
+        tokens = self.tokenizer.convert_ids_to_tokens(ids)
+        return [self.tokenizer.convert_tokens_to_string([t]) if t is not None else "" for t in tokens]

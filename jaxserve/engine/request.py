@@ -10,6 +10,7 @@ import enum
 import time
 
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler_output import LogitsSpec, TopLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -64,6 +65,15 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.first_token_time: float | None = None
+        # Logit processing on the device: the slot's fixed contents (None: needs no slot),
+        # and the slot while the request runs.
+        self.logits_spec: LogitsSpec | None = None
+        self.slot = -1
+        self.bad_words: tuple[tuple[int, ...], ...] = ()  # multi-token bad words, as token ids
+        self.wants_prompt_logprobs = False
+        self.shares_prompt_with: Request | None = None  # the first sample of the same prompt (n > 1)
+        self.output_logprobs: list[TopLogprobs] = []  # one ranked row per output token
+        self.prompt_logprobs: list[TopLogprobs] = []  # row k: the logprob of prompt token k + 1
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -22,7 +22,14 @@ from collections.abc import Iterable
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.block_manager import BlockManager, PrefixCacheStats
 from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.scheduler_output import ModelRunnerOutput, SamplingRow, ScheduledSeq, SchedulerOutput
+from jaxserve.scheduler_output import (
+    ModelRunnerOutput,
+    SamplingRow,
+    ScheduledSeq,
+    SchedulerOutput,
+    SlotInit,
+    TopLogprobs,
+)
 
 
 class Scheduler:
@@ -44,6 +51,9 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # in scheduling order; the tail is preempted first
         self.num_preemptions = 0
+        # Device slots for per-request logit processing (penalties, bias): one per running
+        # request at most, so max_num_seqs of them never run out.
+        self._free_slots = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
 
     # ---- queues --------------------------------------------------------------------------
 
@@ -134,17 +144,29 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step had to preempt: pages are short, and the
         # preempted requests must not be readmitted ahead of the running ones.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        w = 0
+        while (
+            not preempted
+            and w < len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[w]
+            if self._waits_for_prompt_pages(req):
+                w += 1  # a sibling sample: admitted once the first one has its prompt in pages
+                continue
             first_time = req.status == RequestStatus.WAITING
             token_ids = req.all_token_ids
-            computed_blocks, num_cached = self.block_manager.get_computed_blocks(token_ids)
+            if req.wants_prompt_logprobs:  # every prompt token must run to give its logprobs
+                computed_blocks, num_cached = [], 0
+            else:
+                computed_blocks, num_cached = self.block_manager.get_computed_blocks(token_ids)
             n = self._chunk_size(req, num_cached, budget)
             if not self.config.enable_chunked_prefill and num_cached + n < req.num_tokens:
                 break  # the whole prompt must fit; keep strict order rather than skip it
             if not self.block_manager.allocate(req.request_id, num_cached + n, computed_blocks):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(w)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
             if first_time:
@@ -157,6 +179,17 @@ class Scheduler:
             budget -= n
 
         return SchedulerOutput(seqs=tuple(self._commit(req, num_new[req.request_id]) for req in scheduled))
+
+    def _waits_for_prompt_pages(self, req: Request) -> bool:
+        """Samples 2..n of one request share the first one's prompt pages through the prefix
+        cache: they wait until its prompt is computed, then take every full page from the
+        cache and compute only the last, partial page themselves (their first divergent
+        page: copy on write, by recomputing a page's worth of tokens at most)."""
+        first = req.shares_prompt_with
+        if first is None or not self.block_manager.enable_prefix_caching:
+            return False
+        alive = first.request_id in self.requests
+        return alive and first.num_computed_tokens < first.num_prompt_tokens - 1
 
     def _chunk_size(self, req: Request, num_computed: int, budget: int) -> int:
         n = req.num_tokens - num_computed
@@ -176,6 +209,7 @@ class Scheduler:
         cache, if its pages have not been evicted by then)."""
         self.running.remove(req)
         self.block_manager.free(req.request_id)
+        self._free_slot(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         if counted:
@@ -202,31 +236,56 @@ class Scheduler:
         if bm.enable_prefix_caching and end // bm.block_size > start // bm.block_size:
             bm.cache_full_blocks(req.request_id, req.all_token_ids, end)
         req.num_computed_tokens = end
+        slot_init = None
+        if req.logits_spec is not None and req.slot < 0:
+            req.slot = self._free_slots.pop()
+            slot_init = SlotInit(
+                req.slot, req.logits_spec, tuple(req.prompt_token_ids), tuple(req.output_token_ids)
+            )
+        targets = None
+        if req.wants_prompt_logprobs and start < num_prompt - 1:
+            targets = tuple(req.prompt_token_ids[start + 1 : min(end, num_prompt - 1) + 1])
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=token_ids,
             start_pos=start,
             block_ids=tuple(bm.block_ids(req.request_id)),
             sampling=_sampling_row(req) if end == req.num_tokens else None,
+            slot_init=slot_init,
+            prompt_logprob_targets=targets,
         )
+
+    def _free_slot(self, req: Request) -> None:
+        if req.slot >= 0:
+            self._free_slots.append(req.slot)
+            req.slot = -1
 
     # ---- update --------------------------------------------------------------------------
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
         """Append the sampled tokens and finish requests that stop; returns the requests
         that received a token (finished ones included). Rows of requests aborted since
-        schedule() are dropped."""
-        del scheduler_output  # num_computed_tokens already advanced at schedule time
+        schedule() are dropped. Logprobs asked for are kept on the request as ranked rows."""
         now = time.monotonic()
+        starts = {s.request_id: s.start_pos for s in scheduler_output.seqs}
+        for req_id, ranked in runner_output.prompt_logprobs.items():
+            req = self.requests.get(req_id)
+            if req is not None:
+                _extend_prompt_logprobs(req, starts[req_id], ranked)
         updated: list[Request] = []
         tokens = runner_output.sampled_token_ids.tolist()
         logprobs = runner_output.logprobs.tolist()
-        for req_id, token, logprob in zip(runner_output.req_ids, tokens, logprobs, strict=True):
+        top = runner_output.top_logprobs
+        for row, (req_id, token, logprob) in enumerate(
+            zip(runner_output.req_ids, tokens, logprobs, strict=True)
+        ):
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
             req.output_token_ids.append(token)
             req.cumulative_logprob += logprob
+            if req.sampling_params.logprobs is not None:
+                req.output_logprobs.append(_ranked_row(top, row))
             if req.first_token_time is None:
                 req.first_token_time = now
             status = self._check_stop(req, token)
@@ -279,6 +338,7 @@ class Scheduler:
             self.waiting.remove(req)
         del self.requests[req.request_id]
         self.block_manager.free(req.request_id)
+        self._free_slot(req)
         req.status = status
 
     def reset_prefix_cache(self) -> bool:
@@ -305,16 +365,40 @@ def _sampling_row(req: Request) -> SamplingRow:
         min_p=p.min_p,
         seed=req.seed,
         step=req.num_output_tokens,
-        banned_token_ids=_banned_until_min_tokens(req),
+        banned_token_ids=_banned_token_ids(req),
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        slot=req.slot,
+        logprobs=p.logprobs,
     )
 
 
-def _banned_until_min_tokens(req: Request) -> tuple[int, ...]:
-    """Tokens that would end the request early: masked while min_tokens is not reached."""
+def _banned_token_ids(req: Request) -> tuple[int, ...]:
+    """Token ids masked for this step only: those that would end the request before
+    min_tokens, and the last token of every multi-token bad word whose other tokens the
+    output has just produced (vLLM looks at output tokens only)."""
     p = req.sampling_params
-    if req.num_output_tokens >= p.min_tokens:
-        return ()
-    banned = set(p.stop_token_ids)
-    if req.eos_token_id is not None and not p.ignore_eos:
-        banned.add(req.eos_token_id)
+    banned = set()
+    if req.num_output_tokens < p.min_tokens:
+        banned.update(p.stop_token_ids)
+        if req.eos_token_id is not None and not p.ignore_eos:
+            banned.add(req.eos_token_id)
+    out = req.output_token_ids
+    for word in req.bad_words:
+        prefix = len(word) - 1
+        if prefix <= len(out) and tuple(out[len(out) - prefix :]) == word[:-1]:
+            banned.add(word[-1])
     return tuple(sorted(banned))
+
+
+def _ranked_row(top: TopLogprobs, row: int) -> TopLogprobs:
+    return TopLogprobs(top.ids[row], top.logprobs[row], top.chosen_logprobs[row], top.chosen_ranks[row])
+
+
+def _extend_prompt_logprobs(req: Request, start: int, ranked: TopLogprobs) -> None:
+    """Row j of `ranked` is for prompt position start + j + 1; positions already known
+    (a preempted request recomputes its prompt) are not added twice."""
+    for j in range(len(ranked.chosen_ranks)):
+        if start + j == len(req.prompt_logprobs):
+            req.prompt_logprobs.append(_ranked_row(ranked, j))

@@ -11,6 +11,16 @@ vocabulary and a random number per vocabulary entry:
   passes of compare-and-sum, exact), and only when some row asks for them;
 - the categorical draw is two-level: pick a block of the vocabulary by its probability
   mass, then a token inside it, with two uniforms per row.
+
+Logit processing (vLLM's order): logit bias, allowed tokens and single-token bad words
+(one dense bias row per request), then the masked ids of the step (EOS and stop ids under
+min_tokens, the last token of a multi-token bad word whose prefix was just generated),
+then the repetition, frequency and presence penalties, then temperature, top-k/top-p and
+min-p. Bias rows and token history live on the device in a ProcessorState, one slot per
+request that uses them; the step counts each sampled token there in place.
+
+Logprobs are of the raw distribution (vLLM's default `raw_logprobs`): the sampled token's,
+and on request the top-k ids and values and the sampled token's rank.
 """
 
 from __future__ import annotations
@@ -33,6 +43,86 @@ class SamplingArrays:
     seeds: jax.Array  # [num_seqs] uint32
     steps: jax.Array  # [num_seqs] int32, index of the token being sampled
     banned: jax.Array  # [num_seqs, MAX_BANNED_TOKENS] int32 token ids to mask, -1 = none
+    presence: jax.Array  # [num_seqs] float32, 0 = off
+    frequency: jax.Array  # [num_seqs] float32, 0 = off
+    repetition: jax.Array  # [num_seqs] float32, 1 = off
+    slot: jax.Array  # [num_seqs] int32, the row's ProcessorState slot; -1 = none
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class ProcessorState:
+    """Per-request logit-processing state on the device, one row per slot."""
+
+    prompt_mask: jax.Array  # [num_slots, vocab] bool, token occurs in the prompt
+    output_counts: jax.Array  # [num_slots, vocab] int32, times the token was sampled
+    bias: jax.Array  # [num_slots, vocab] float32, added to the logits (-inf: never)
+
+
+def apply_penalties(
+    logits: jax.Array,  # [num_seqs, vocab] float32
+    prompt_mask: jax.Array,  # [num_seqs, vocab] bool
+    output_counts: jax.Array,  # [num_seqs, vocab] int32
+    presence: jax.Array,  # [num_seqs]
+    frequency: jax.Array,  # [num_seqs]
+    repetition: jax.Array,  # [num_seqs]
+) -> jax.Array:
+    """vLLM's (and transformers') penalties: repetition over prompt and output tokens
+    (positive logits divided, negative multiplied); frequency and presence over output
+    tokens, subtracted (OpenAI's definition)."""
+    seen = prompt_mask | (output_counts > 0)
+    rep = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    counts = output_counts.astype(jnp.float32)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+def process_logits(
+    logits: jax.Array, params: SamplingArrays, state: ProcessorState | None
+) -> jax.Array:  # [num_seqs, vocab] float32
+    """Bias rows, the step's masked ids and the penalties, as the module docstring orders them."""
+    has_slot = params.slot >= 0
+    slot = jnp.where(has_slot, params.slot, 0)
+    if state is not None:
+        logits = logits + jnp.where(has_slot[:, None], state.bias[slot], 0.0)
+    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], params.banned.shape)
+    banned = jnp.where(params.banned >= 0, params.banned, logits.shape[1])  # -1 -> dropped
+    logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
+    if state is not None:
+        penalised = apply_penalties(
+            logits,
+            state.prompt_mask[slot],
+            state.output_counts[slot],
+            params.presence,
+            params.frequency,
+            params.repetition,
+        )
+        logits = jnp.where(has_slot[:, None], penalised, logits)
+    return logits
+
+
+def count_sampled(state: ProcessorState, slot: jax.Array, tokens: jax.Array) -> ProcessorState:
+    """Add each sampled token to its row's output counts (rows without a slot: dropped)."""
+    slot = jnp.where(slot >= 0, slot, state.output_counts.shape[0])
+    counts = state.output_counts.at[slot, tokens].add(1, mode="drop")
+    return ProcessorState(state.prompt_mask, counts, state.bias)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class TopLogprobs:
+    ids: jax.Array  # [num_rows, k] int32, most likely first
+    logprobs: jax.Array  # [num_rows, k] float32
+    rank: jax.Array  # [num_rows] int32, 1 + how many tokens are strictly more likely than the chosen one
+
+
+def top_logprobs(logprobs: jax.Array, chosen: jax.Array, k: int) -> TopLogprobs:
+    """The k most likely tokens of each row of `logprobs` [num_rows, vocab], and the rank
+    of the `chosen` [num_rows] token."""
+    values, ids = jax.lax.top_k(logprobs, k)
+    chosen_lp = jnp.take_along_axis(logprobs, chosen[:, None], axis=-1)
+    rank = 1 + jnp.sum(logprobs > chosen_lp, axis=-1)
+    return TopLogprobs(ids.astype(jnp.int32), values, rank.astype(jnp.int32))
 
 
 def _sortable(x: jax.Array) -> jax.Array:
@@ -110,12 +200,13 @@ def _categorical(logits: jax.Array, uniforms: jax.Array) -> jax.Array:
 def sample(
     logits: jax.Array,  # [num_seqs, vocab] float32
     params: SamplingArrays,
-) -> tuple[jax.Array, jax.Array]:  # ([num_seqs] int32 tokens, [num_seqs] float32 logprobs)
+    state: ProcessorState | None = None,  # given: bias rows and penalties apply
+    num_top_logprobs: int = 0,  # > 0: also the top-k raw logprobs and the chosen token's rank
+) -> tuple[jax.Array, jax.Array, TopLogprobs | None]:
+    """Returns ([num_seqs] int32 tokens, [num_seqs] float32 raw logprobs of them, top-k)."""
     logits = logits.astype(jnp.float32)
     raw_logits = logits
-    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], params.banned.shape)
-    banned = jnp.where(params.banned >= 0, params.banned, logits.shape[1])  # -1 -> dropped
-    logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
+    logits = process_logits(logits, params, state)
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = params.temperature == 0.0
 
@@ -134,5 +225,7 @@ def sample(
 
     sampled = jax.lax.cond(jnp.all(is_greedy), lambda: greedy_tokens, random_tokens)
     tokens = jnp.where(is_greedy, greedy_tokens, sampled)
-    chosen = jnp.take_along_axis(raw_logits, tokens[:, None], axis=-1)[:, 0]
-    return tokens, chosen - jax.nn.logsumexp(raw_logits, axis=-1)
+    raw_logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
+    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    top = top_logprobs(raw_logprobs, tokens, num_top_logprobs) if num_top_logprobs else None
+    return tokens, chosen, top

@@ -26,6 +26,9 @@ class BatchInputs:
     meta: AttentionMetadata
     logits_indices: np.ndarray  # [num_seqs] int32, last new token of each sequence
     sampling: SamplingArrays
+    # [num_tokens] int32: for a fed prompt token whose logprob-successor is wanted
+    # (prompt_logprobs), that successor's id; -1 elsewhere
+    prompt_targets: np.ndarray
 
 
 def prepare(
@@ -74,12 +77,26 @@ def prepare(
     seeds = np.zeros(num_seqs, np.uint32)
     steps = np.zeros(num_seqs, np.int32)
     banned = np.full((num_seqs, MAX_BANNED_TOKENS), -1, np.int32)
+    presence = np.zeros(num_seqs, np.float32)
+    frequency = np.zeros(num_seqs, np.float32)
+    repetition = np.ones(num_seqs, np.float32)
+    slot = np.full(num_seqs, -1, np.int32)
+    prompt_targets = np.full(num_tokens, -1, np.int32)
     for i, s in enumerate(seqs):
         r = s.sampling
         if r is not None:
             temperature[i], top_k[i], top_p[i], min_p[i] = r.temperature, r.top_k, r.top_p, r.min_p
             seeds[i], steps[i] = r.seed & 0xFFFFFFFF, r.step
             banned[i, : len(r.banned_token_ids)] = r.banned_token_ids
+            presence[i], frequency[i], repetition[i] = (
+                r.presence_penalty,
+                r.frequency_penalty,
+                r.repetition_penalty,
+            )
+            slot[i] = r.slot
+        targets = s.prompt_logprob_targets
+        if targets:
+            prompt_targets[cu[i] : cu[i] + len(targets)] = targets
 
     return BatchInputs(
         input_ids=input_ids,
@@ -100,5 +117,10 @@ def prepare(
             seeds=seeds,
             steps=steps,
             banned=banned,
+            presence=presence,
+            frequency=frequency,
+            repetition=repetition,
+            slot=slot,
         ),
+        prompt_targets=prompt_targets,
     )

@@ -3,12 +3,19 @@
 The model is split once into (graphdef, state); one pure step function (forward over a
 ragged batch, logits at sampled rows, sampling) is compiled ahead of time for every
 shape bucket, with the KV pool donated so it is updated in place. `execute` turns a
-SchedulerOutput into one host->device transfer, one compiled call and one packed
-device->host copy.
+SchedulerOutput into one host->device transfer, one compiled call and one device->host
+copy of the results.
+
+The step comes in variants, each compiled the first time a batch needs it and never per
+request: with the logit-processing state (penalties, bias rows), with top-k logprobs, and
+with logits at every fed token (prompt_logprobs). The plain variant is what precompile
+builds; a batch that needs none of the extras never pays for them.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import time
 
@@ -20,12 +27,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig, jaxserve_cache_dir
-from jaxserve.layers.sampler import sample
+from jaxserve.layers.sampler import ProcessorState, count_sampled, sample, top_logprobs
 from jaxserve.loader.model_loader import build_model_args, load_model
 from jaxserve.runner import batch as batch_lib
 from jaxserve.runner.bucketing import Buckets
 from jaxserve.runner.kv_cache import KVCacheSpec, allocate_kv_pool, num_blocks_for
-from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput, SlotInit, TopLogprobs
 from jaxserve.sharding import make_mesh
 
 logger = logging.getLogger(__name__)
@@ -68,33 +75,84 @@ class ModelRunner:
 
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self.buckets = Buckets.from_config(sc, config.compilation_config)
-        self._jitted = jax.jit(self._step, donate_argnums=(1,))
-        self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self.num_slots = sc.max_num_seqs  # one logit-processing slot per running request at most
+        self.num_top_logprobs = self.args.vocab_size if mc.max_logprobs < 0 else max(mc.max_logprobs, 1)
+        self.processor_state: ProcessorState | None = None  # allocated when a request first needs it
+        self._jitted = {
+            variant: jax.jit(functools.partial(self._step, variant=variant), donate_argnums=(1, 2))
+            for variant in itertools.product((False, True), repeat=3)
+        }
+        self._init_slot = jax.jit(_init_slot, donate_argnums=0)
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}
         if not config.compilation_config.enforce_eager:
             self.precompile()
 
-    def _step(self, state, kv_pool, inputs: batch_lib.BatchInputs):
+    def _step(self, state, kv_pool, processors, inputs: batch_lib.BatchInputs, *, variant):
+        """variant = (with the processor state, with top logprobs, with logits at every fed
+        token). Returns (kv_pool, processor state, results for the host)."""
+        _, with_top, all_logits = variant
         model = nnx.merge(self.graphdef, state)
-        logits, kv_pool = model(
-            inputs.input_ids, inputs.positions, kv_pool, inputs.meta, inputs.logits_indices
-        )
-        tokens, logprobs = sample(logits, inputs.sampling)
-        packed = jnp.stack([jax.lax.bitcast_convert_type(tokens, jnp.float32), logprobs])  # [2, num_seqs]
-        return kv_pool, packed
+        rows = jnp.arange(inputs.input_ids.shape[0], dtype=jnp.int32) if all_logits else inputs.logits_indices
+        logits, kv_pool = model(inputs.input_ids, inputs.positions, kv_pool, inputs.meta, rows)
+        sample_logits = logits[inputs.logits_indices] if all_logits else logits
+        k = self.num_top_logprobs if with_top or all_logits else 0
+        tokens, logprobs, top = sample(sample_logits, inputs.sampling, processors, k if with_top else 0)
+        out = {"tokens": tokens, "logprobs": logprobs}
+        if top is not None:
+            out["top"] = top
+        if all_logits:
+            targets = jnp.maximum(inputs.prompt_targets, 0)
+            lps = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+            out["prompt_top"] = top_logprobs(lps, targets, k)
+            out["prompt_chosen"] = jnp.take_along_axis(lps, targets[:, None], axis=-1)[:, 0]
+        if processors is not None:
+            processors = count_sampled(processors, inputs.sampling.slot, tokens)
+        return kv_pool, processors, out
 
     def _dummy_inputs(self, num_tokens: int, num_seqs: int) -> batch_lib.BatchInputs:
         return batch_lib.prepare(
             SchedulerOutput(seqs=()), num_tokens, num_seqs, self.page_size, self.pages_per_seq, self.pad_slot
         )
 
-    def _compile(self, bucket: tuple[int, int]) -> jax.stages.Compiled:
-        compiled = self._compiled.get(bucket)
+    def _compile(self, bucket: tuple[int, int], variant=(False, False, False)) -> jax.stages.Compiled:
+        compiled = self._compiled.get((bucket, variant))
         if compiled is None:
             inputs = jax.device_put(self._dummy_inputs(*bucket), self._replicated)
+            processors = self._processor_state() if variant[0] else None
             with jax.set_mesh(self.mesh):  # layers that split work by hand (MoE experts) read it
-                compiled = self._jitted.lower(self.state, self.kv_pool, inputs).compile()
-            self._compiled[bucket] = compiled
+                lowered = self._jitted[variant].lower(self.state, self.kv_pool, processors, inputs)
+                compiled = lowered.compile()
+            self._compiled[(bucket, variant)] = compiled
         return compiled
+
+    def _processor_state(self) -> ProcessorState:
+        if self.processor_state is None:
+            shape = (self.num_slots, self.args.vocab_size)
+            zeros = jax.jit(
+                lambda: ProcessorState(
+                    jnp.zeros(shape, bool), jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
+                ),
+                out_shardings=self._replicated,
+            )
+            self.processor_state = zeros()
+        return self.processor_state
+
+    def _fill_slot(self, init: SlotInit) -> None:
+        """Write a request's bias row and token history into its slot (one transfer of
+        three vocabulary-sized rows per admitted request, never per step)."""
+        vocab = self.args.vocab_size
+        mask = np.zeros(vocab, bool)
+        mask[list(init.prompt_token_ids)] = True
+        counts = np.bincount(np.asarray(init.output_token_ids, np.int64), minlength=vocab).astype(np.int32)
+        bias = np.zeros(vocab, np.float32)
+        if init.spec.allowed_token_ids is not None:
+            bias[:] = -np.inf
+            bias[list(init.spec.allowed_token_ids)] = 0.0
+        for token, value in init.spec.bias:
+            bias[token] += value
+        self.processor_state = self._init_slot(
+            self._processor_state(), np.int32(init.slot), mask, counts[:vocab], bias
+        )
 
     def precompile(self) -> None:
         start = time.perf_counter()
@@ -109,7 +167,10 @@ class ModelRunner:
         return self.kv_pool.is_deleted()
 
     def reset_kv_pool(self) -> None:
+        """Rebuild the device state a failed step may have consumed: the KV pool, and the
+        processor slots (the scheduler refills those as requests resume)."""
         self.kv_pool = allocate_kv_pool(self.kv_spec, self.num_blocks, self.mesh)
+        self.processor_state = None
 
     @property
     def num_compiled(self) -> int:
@@ -118,12 +179,49 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         bucket = self.buckets.pick(sched.num_tokens, len(sched.seqs))
         inputs = batch_lib.prepare(sched, *bucket, self.page_size, self.pages_per_seq, self.pad_slot)
-        step = self._compile(bucket)
-        self.kv_pool, packed = step(self.state, self.kv_pool, jax.device_put(inputs, self._replicated))
-        packed = np.asarray(packed)  # the one device->host copy
+        for s in sched.seqs:
+            if s.slot_init is not None:
+                self._fill_slot(s.slot_init)
+        sampling = [s.sampling for s in sched.seqs if s.sampling is not None]
+        variant = (
+            any(r.slot >= 0 for r in sampling),
+            any(r.logprobs is not None for r in sampling),
+            any(s.prompt_logprob_targets for s in sched.seqs),
+        )
+        step = self._compile(bucket, variant)
+        processors = self.processor_state if variant[0] else None
+        self.kv_pool, processors, out = step(
+            self.state, self.kv_pool, processors, jax.device_put(inputs, self._replicated)
+        )
+        if variant[0]:
+            self.processor_state = processors
+        out = jax.device_get(out)  # the one device->host copy
         rows = [i for i, s in enumerate(sched.seqs) if s.sampling is not None]
+        top = None
+        if "top" in out:
+            t = out["top"]
+            top = TopLogprobs(t.ids[rows], t.logprobs[rows], out["logprobs"][rows], t.rank[rows])
+        prompt = {}
+        if "prompt_top" in out:
+            t, cu = out["prompt_top"], inputs.meta.cu_q_lens
+            for i, s in enumerate(sched.seqs):
+                if s.prompt_logprob_targets:
+                    r = slice(cu[i], cu[i] + len(s.prompt_logprob_targets))
+                    prompt[s.request_id] = TopLogprobs(
+                        t.ids[r], t.logprobs[r], out["prompt_chosen"][r], t.rank[r]
+                    )
         return ModelRunnerOutput(
             req_ids=tuple(sched.seqs[i].request_id for i in rows),
-            sampled_token_ids=packed[0, rows].view(np.int32),
-            logprobs=packed[1, rows],
+            sampled_token_ids=out["tokens"][rows],
+            logprobs=out["logprobs"][rows],
+            top_logprobs=top,
+            prompt_logprobs=prompt,
         )
+
+
+def _init_slot(state: ProcessorState, slot, mask, counts, bias) -> ProcessorState:
+    return ProcessorState(
+        state.prompt_mask.at[slot].set(mask),
+        state.output_counts.at[slot].set(counts),
+        state.bias.at[slot].set(bias),
+    )

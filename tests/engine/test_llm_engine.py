@@ -60,16 +60,33 @@ def test_schedules_do_not_change_greedy_outputs(tiny_llama_gqa, prompts, baselin
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama_gqa, prompts):
+    """Alone, or among 16 requests with every other kind of setting (so in another row and
+    another processor slot), a seeded request samples the same tokens."""
     llm = LLM(tiny_llama_gqa[0], **engine_kwargs())
-    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
-    alone = _generate(llm, [prompts[0]], seeded)[0]
-    others = [
-        SamplingParams(temperature=t, top_k=k, min_p=m, max_tokens=8, ignore_eos=True)
-        for t, k, m in [(0.0, 0, 0.0), (0.7, 5, 0.0), (1.3, 0, 0.1), (1.0, 0, 0.0)]
-    ]
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts[1:] + [prompts[0]]], others + [seeded], use_tqdm=False
+    seeded = SamplingParams(
+        temperature=1.0,
+        top_p=0.9,
+        top_k=50,
+        seed=1234,
+        max_tokens=10,
+        ignore_eos=True,
+        repetition_penalty=1.2,
+        logprobs=2,
     )
+    alone = _generate(llm, [prompts[0]], seeded)[0]
+    kinds = [
+        dict(temperature=0.0),
+        dict(temperature=0.7, top_k=5),
+        dict(temperature=1.3, min_p=0.1),
+        dict(temperature=1.0, presence_penalty=1.5, frequency_penalty=0.5),
+        dict(temperature=0.9, logit_bias={9: 2.0, 33: -5.0}),
+        dict(temperature=1.0, allowed_token_ids=list(range(3, 200))),
+        dict(temperature=0.0, repetition_penalty=1.5, logprobs=5),
+        dict(temperature=1.0, prompt_logprobs=2, seed=7),
+    ]
+    others = [SamplingParams(max_tokens=8, ignore_eos=True, **kinds[i % len(kinds)]) for i in range(16)]
+    batch = [prompts[i % len(prompts)] for i in range(1, 17)] + [prompts[0]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], others + [seeded], use_tqdm=False)
     assert outs[-1].outputs[0].token_ids == alone
     other_seed = _generate(llm, [prompts[0]], seeded.clone(seed=99))[0]
     assert other_seed != alone
@@ -79,12 +96,41 @@ def test_n_samples_differ_and_share_the_prompt(tiny_llama_gqa, prompts):
     llm = LLM(tiny_llama_gqa[0], **engine_kwargs())
     out = llm.generate(
         {"prompt_token_ids": prompts[1]},
-        SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True),
+        SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True, logprobs=0),
         use_tqdm=False,
     )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
-    assert all(np.isfinite(c.cumulative_logprob) and c.cumulative_logprob < 0 for c in out.outputs)
+    for c in out.outputs:  # logprobs=0: just the sampled token's, summed into the cumulative one
+        assert [list(d) for d in c.logprobs] == [[t] for t in c.token_ids]
+        chosen = sum(d[t].logprob for d, t in zip(c.logprobs, c.token_ids))
+        assert c.cumulative_logprob == pytest.approx(chosen) and c.cumulative_logprob < 0
+
+
+def test_n_samples_take_the_first_samples_prompt_pages_from_the_cache(tiny_llama_gqa, prompts):
+    llm = LLM(tiny_llama_gqa[0], **engine_kwargs())
+    stats = llm.llm_engine.scheduler.prefix_cache_stats
+    prompt = prompts[4]  # 50 tokens: 6 full pages of 8 before the last token
+    before = stats.hits
+    params = SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=4, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert len(out.outputs) == 4
+    assert stats.hits - before == 3 * 6 * 8  # samples 2..4 computed only the partial page
+
+
+def test_best_of_returns_the_n_most_likely_samples(tiny_llama_gqa, prompts):
+    llm = LLM(tiny_llama_gqa[0], **engine_kwargs())
+    kw = dict(temperature=1.0, seed=21, max_tokens=6, ignore_eos=True, logprobs=0)
+    every = llm.generate({"prompt_token_ids": prompts[2]}, SamplingParams(n=4, **kw), use_tqdm=False)[0]
+    best = llm.generate(
+        {"prompt_token_ids": prompts[2]}, SamplingParams(n=2, best_of=4, **kw), use_tqdm=False
+    )[0]
+    ranked = sorted(every.outputs, key=lambda c: -c.cumulative_logprob)
+    assert [c.index for c in best.outputs] == [0, 1]
+    assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked[:2]]
+    assert best.outputs[0].cumulative_logprob >= best.outputs[1].cumulative_logprob
+    with pytest.raises(ValueError, match="best_of must be 1 when using greedy"):
+        SamplingParams(temperature=0.0, best_of=2)
 
 
 def test_stop_strings_and_stop_tokens(tiny_llama_gqa, prompts):
@@ -155,8 +201,14 @@ def test_bad_requests_are_refused_without_harm(tiny_llama_gqa, prompts):
     llm = LLM(tiny_llama_gqa[0], **engine_kwargs())
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate({"prompt_token_ids": [5] * 300}, GREEDY, use_tqdm=False)
-    with pytest.raises(ValueError, match="presence_penalty"):
-        llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(presence_penalty=0.5), use_tqdm=False)
+    with pytest.raises(ValueError, match="logprobs of 21, which is greater than max allowed: 20"):
+        llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(logprobs=21), use_tqdm=False)
+    with pytest.raises(
+        ValueError, match=r"logit_bias has token ids outside the vocabulary \[0, 512\): \[512\]"
+    ):
+        llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(logit_bias={512: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="allowed_token_ids must not be empty"):
+        llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(allowed_token_ids=[]), use_tqdm=False)
     with pytest.raises(ValueError, match="token ids"):
         llm.generate({"prompt_token_ids": [10**6]}, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="top_p"):
