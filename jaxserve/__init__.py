@@ -4,12 +4,13 @@
 schemas) load without initialising JAX.
 """
 
+from jaxserve.beam_search import BeamSearchParams
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name: str):

@@ -1,5 +1,6 @@
-"""The offline API, as in vLLM: `LLM(model=...).generate(prompts, sampling_params)` and
-`LLM.chat(messages)`. It drives an LLMEngine to completion and returns outputs in input order."""
+"""The offline API, as in vLLM: `LLM(model=...).generate(prompts, sampling_params)`,
+`LLM.chat(messages)` and `LLM.beam_search(prompts, BeamSearchParams(...))`. It drives an
+LLMEngine to completion and returns outputs in input order."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from jaxserve import beam_search as beam
 from jaxserve.args import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine, PromptType
 from jaxserve.outputs import RequestOutput
@@ -61,6 +63,31 @@ class LLM:
             engine.abort_request(ids)
             raise
         return self._run_engine(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: beam.BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[beam.BeamSearchOutput]:
+        """Beam search over each prompt (see jaxserve/beam_search.py); all prompts' beams
+        run together, one token per engine round."""
+        if isinstance(prompts, (str, Mapping)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        engine = self.llm_engine
+        searches = [beam.start_search(engine, engine.tokenize_prompt(p)[1], params) for p in prompts]
+        step = beam.step_params(params)
+        bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
+        while live := [s for s in searches if not s.done]:
+            beams = [b.tokens for s in live for b in s.running]
+            outs = iter(self.generate([{"prompt_token_ids": t} for t in beams], step, use_tqdm=False))
+            for s in live:
+                s.advance([next(outs).outputs[0].logprobs[0] for _ in s.running])
+            bar.update(1)
+        bar.close()
+        return [beam.finish(s, engine.tokenizer) for s in searches]
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
