@@ -8,6 +8,10 @@ produce exactly `--output-len` tokens per prompt. Only the generate calls are ti
 model start-up are reported apart (start-up includes jaxserve's bucket precompilation).
 
     python benchmarks/throughput.py --num-prompts 8 --input-len 32 --output-len 32 [engine flags]
+
+`--sampling-costs` also times, in the same engine and on the same prompts, greedy decoding
+with penalties (presence, frequency, repetition) and with logprobs=5, and reports each
+against plain greedy (each variant's step is compiled in a short warm-up first).
 """
 
 from __future__ import annotations
@@ -47,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch.set_num_threads for the baseline; unset = torch's default (one per core). On a "
         "loaded machine OpenMP threads that busy-wait for a busy core can slow torch tenfold; 1 avoids it.",
+    )
+    parser.add_argument(
+        "--sampling-costs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Also time penalties and logprobs=5 against plain greedy decoding, same engine, same prompts.",
     )
     # --seed (the engine's) also seeds the random prompts, as in vLLM.
     add_engine_args(parser, model_positional=False)
@@ -90,6 +100,31 @@ def run_jaxserve(ns: argparse.Namespace, engine_args) -> tuple[dict, object]:
     result = throughput(len(requests), prompts.size, output_tokens, elapsed)
     result["startup_s"] = startup
     return result, llm
+
+
+SAMPLING_VARIANTS = {
+    "plain": {},
+    "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1},
+    "logprobs5": {"logprobs": 5},
+}
+
+
+def run_sampling_costs(llm, requests: list[dict], output_len: int) -> dict:
+    """Output tokens/s of each SAMPLING_VARIANTS entry, and its ratio to plain greedy."""
+    from jaxserve.sampling_params import SamplingParams
+
+    results = {}
+    for name, extra in SAMPLING_VARIANTS.items():
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, **extra)
+        llm.generate(requests, params.clone(max_tokens=2), use_tqdm=False)  # compile this variant
+        start = time.perf_counter()
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+        results[name] = {"elapsed": elapsed, "output_tokens_per_second": tokens / elapsed}
+    for r in results.values():
+        r["ratio_to_plain"] = r["output_tokens_per_second"] / results["plain"]["output_tokens_per_second"]
+    return results
 
 
 def run_transformers(
@@ -182,6 +217,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "jaxserve": result,
     }
+    if ns.sampling_costs:
+        vocab_size = int(model_config.get("vocab_size"))
+        requests = [
+            {"prompt_token_ids": row.tolist()}
+            for row in random_prompts(ns.num_prompts, ns.input_len, vocab_size, ns.seed)
+        ]
+        costs = run_sampling_costs(llm, requests, ns.output_len)
+        for name, r in costs.items():
+            print(
+                f"  {name}: {r['output_tokens_per_second']:.2f} output tokens/s ({r['ratio_to_plain']:.2f}x plain)"
+            )
+        report["sampling_costs"] = costs
     if ns.hf_baseline:
         vocab_size = int(model_config.get("vocab_size"))
         prompts = random_prompts(ns.num_prompts, ns.input_len, vocab_size, ns.seed)

@@ -260,3 +260,15 @@ def test_throughput_benchmark_writes_json(model_dir, tmp_path, capsys):
     assert result["config"]["num_prompts"] == 4
     out = capsys.readouterr().out
     assert out.count("Throughput: ") == 2 and "ratio" in out
+
+
+def test_throughput_benchmark_times_sampling_costs(model_dir, tmp_path, capsys):
+    out_json = tmp_path / "costs.json"
+    argv = ["--model", model_dir, "--num-prompts", "2", "--input-len", "8", "--output-len", "4"]
+    argv += ["--sampling-costs", "--no-hf-baseline", "--output-json", str(out_json), *ENGINE_FLAGS]
+    assert _load_throughput().main(argv) == 0
+    costs = json.loads(out_json.read_text())["sampling_costs"]
+    assert set(costs) == {"plain", "penalties", "logprobs5"}
+    assert costs["plain"]["ratio_to_plain"] == 1.0
+    assert all(r["output_tokens_per_second"] > 0 and r["ratio_to_plain"] > 0 for r in costs.values())
+    assert "x plain" in capsys.readouterr().out
