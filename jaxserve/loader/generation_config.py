@@ -8,11 +8,8 @@ there. `--override-generation-config` is merged on top either way.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from collections.abc import Mapping
-
-logger = logging.getLogger(__name__)
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 
@@ -23,9 +20,8 @@ SAMPLING_DEFAULT_KEYS = {
     "top_p": "top_p",
     "min_p": "min_p",
     "max_new_tokens": "max_tokens",
+    "repetition_penalty": "repetition_penalty",
 }
-# Defaults a model may ask for that the engine does not apply yet.
-NOT_YET_APPLIED = {"repetition_penalty": 1.0}
 
 
 def read_generation_config(model_path: str, generation_config: str) -> dict:
@@ -55,9 +51,4 @@ def sampling_defaults(raw: Mapping, overrides: Mapping) -> dict:
     merged = {**raw, **overrides}
     if not raw.get("do_sample", True) and "temperature" not in overrides:
         merged["temperature"] = 0.0  # the authors ask for greedy decoding
-    for key, neutral in NOT_YET_APPLIED.items():
-        if merged.get(key, neutral) != neutral:
-            logger.warning(
-                "The generation config asks for %s=%s, which jaxserve does not apply yet.", key, merged[key]
-            )
     return {field: merged[key] for key, field in SAMPLING_DEFAULT_KEYS.items() if key in merged}

@@ -245,13 +245,22 @@ def test_generation_config_sets_request_defaults(tmp_path):
 
     make_llama_checkpoint(tmp_path, "gqa")
     gen = json.loads((tmp_path / "generation_config.json").read_text())
-    gen.update({"temperature": 0.3, "top_k": 7, "max_new_tokens": 5, "eos_token_id": [2, 9]})
+    gen.update(
+        {
+            "temperature": 0.3,
+            "top_k": 7,
+            "max_new_tokens": 5,
+            "eos_token_id": [2, 9],
+            "repetition_penalty": 1.15,
+        }
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps(gen))
     llm = LLM(str(tmp_path), **engine_kwargs(override_generation_config={"top_k": 3}))
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.3, 3, 5)
+    assert defaults.repetition_penalty == 1.15
     assert llm.llm_engine.extra_eos_ids == {9}
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) <= 5
     plain = LLM(str(tmp_path), **engine_kwargs(generation_config="vllm")).get_default_sampling_params()
-    assert (plain.temperature, plain.top_k, plain.max_tokens) == (1.0, 0, 16)
+    assert (plain.temperature, plain.top_k, plain.max_tokens, plain.repetition_penalty) == (1.0, 0, 16, 1.0)
