@@ -50,7 +50,11 @@ def prompt_logits(runner: ModelRunner, token_ids: list[int]) -> np.ndarray:
     sched = SchedulerOutput((ScheduledSeq("r", tuple(token_ids), 0, pages, GREEDY),))
     inputs = batch_lib.prepare(sched, n, 1, runner.page_size, runner.pages_per_seq, runner.pad_slot)
     inputs = batch_lib.BatchInputs(
-        inputs.input_ids, inputs.positions, inputs.meta, np.arange(n, dtype=np.int32), inputs.sampling,
+        inputs.input_ids,
+        inputs.positions,
+        inputs.meta,
+        np.arange(n, dtype=np.int32),
+        inputs.sampling,
         inputs.prompt_targets,
     )
     inputs = jax.device_put(inputs)

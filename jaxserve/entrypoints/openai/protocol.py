@@ -19,6 +19,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from jaxserve.sampling_params import SamplingParams
 
 _INT64 = 2**63 - 1
+# OpenAI clamps each logit_bias value into this range.
+_LOGIT_BIAS_LIMIT = 100.0
+
+
+def bad_request(message: str, param: str | None = None) -> ValueError:
+    """A ValueError (answered as a 400) that names the request field it is about."""
+    err = ValueError(message)
+    err.param = param
+    return err
 
 
 def error_body(message: str, status: int = 400, param: str | None = None) -> dict:
@@ -89,7 +98,7 @@ class _SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=1)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=-1)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     priority: int = 0
@@ -98,6 +107,24 @@ class _SamplingRequest(OpenAIBaseModel):
 
     def _logprobs(self) -> int | None:
         raise NotImplementedError
+
+    def _prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """logit_bias with token-id keys, each value clamped into [-100, 100] as OpenAI does."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise bad_request(
+                    f"logit_bias keys must be token ids (integers, as strings), got {key!r}.", "logit_bias"
+                ) from None
+            bias[token] = min(_LOGIT_BIAS_LIMIT, max(-_LOGIT_BIAS_LIMIT, value))
+        return bias
 
     def to_sampling_params(self, max_tokens: int, defaults: dict[str, Any]) -> SamplingParams:
         """SamplingParams for this request; `max_tokens` is already resolved by the caller
@@ -128,11 +155,11 @@ class _SamplingRequest(OpenAIBaseModel):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=self._logprobs(),
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self._prompt_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
         )
@@ -140,6 +167,12 @@ class _SamplingRequest(OpenAIBaseModel):
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be given when stream is true.")
+
+    def check_logprobs(self) -> None:
+        """vLLM's rules on the logprob fields that a JSON schema cannot say."""
+        p = self.prompt_logprobs
+        if self.stream and p is not None and (p > 0 or p == -1):
+            raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
 
     @property
     def include_usage(self) -> bool:
@@ -160,6 +193,12 @@ class CompletionRequest(_SamplingRequest):
 
     def _logprobs(self) -> int | None:
         return self.logprobs
+
+    def _prompt_logprobs(self) -> int | None:
+        # With echo, the echoed prompt tokens carry logprobs too (vLLM asks for them this way).
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
@@ -184,7 +223,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of the next
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = "none"
@@ -200,6 +239,11 @@ class ChatCompletionRequest(_SamplingRequest):
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
+
+    def check_logprobs(self) -> None:
+        super().check_logprobs()
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -2,6 +2,8 @@
 
 The answer's role is --response-role (when a generation prompt is added). With `echo`,
 the content of the last message is repeated first when it has that role, as in vLLM.
+With `logprobs`, each choice (each chunk, streaming) carries the logprobs of its tokens
+in OpenAI's `{"content": [...]}` shape; `prompt_logprobs` (vLLM's field) is top-level.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, body: ChatCompletionRequest, raw: web.Request) -> web.StreamResponse:
         model = self.model_name(body.model)
         body.check_stream_options()
+        body.check_logprobs()
         body.check_unsupported()
         prompt = await self.prompt_for(body)
         prompt_tokens = len(prompt["prompt_token_ids"])
@@ -57,7 +60,7 @@ class OpenAIServingChat(OpenAIServing):
             {
                 "index": c.index,
                 "message": {"role": role, "content": echo + c.text, "tool_calls": []},
-                "logprobs": None,
+                "logprobs": self._logprobs(body, c.token_ids, c.logprobs),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
@@ -65,7 +68,15 @@ class OpenAIServingChat(OpenAIServing):
         ]
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         usage = self.usage(prompt_tokens, completion_tokens, final.num_cached_tokens)
-        return web.json_response({**head, "choices": choices, "usage": usage, "prompt_logprobs": None})
+        prompt_logprobs = self.prompt_logprobs(final)
+        return web.json_response(
+            {**head, "choices": choices, "usage": usage, "prompt_logprobs": prompt_logprobs}
+        )
+
+    def _logprobs(self, body: ChatCompletionRequest, token_ids, entries) -> dict | None:
+        if not body.logprobs:
+            return None
+        return self.chat_logprobs(token_ids, entries or [], body.top_logprobs or 0, self.as_token_ids(body))
 
     @staticmethod
     def _echo_text(body: ChatCompletionRequest, role: str) -> str:
@@ -77,8 +88,8 @@ class OpenAIServingChat(OpenAIServing):
         return "".join(p.get("text", "") for p in last.content)
 
     async def _chunks(self, body, head, role, echo, prompt_tokens, outputs) -> AsyncIterator[dict]:
-        def chunk(index: int, delta: dict, finish_reason=None, stop_reason=None) -> dict:
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        def chunk(index: int, delta: dict, finish_reason=None, stop_reason=None, logprobs=None) -> dict:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             if finish_reason is not None:
                 choice["stop_reason"] = stop_reason
             return {**head, "choices": [choice]}
@@ -89,16 +100,24 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk(i, {"content": echo})
         sent = [0] * body.n
         tokens = [0] * body.n
+        done: set[int] = set()
         cached = 0
         async with contextlib.aclosing(outputs) as gen:
             async for _, out in gen:
                 for c in out.outputs:
+                    if c.index in done:  # a finished sample still shows in its siblings' outputs
+                        continue
+                    if c.finish_reason is not None:
+                        done.add(c.index)
                     delta = c.text[sent[c.index] :]
                     sent[c.index] = len(c.text)
-                    tokens[c.index] = len(c.token_ids)
-                    if not delta and c.finish_reason is None:
+                    start, tokens[c.index] = tokens[c.index], len(c.token_ids)
+                    new_tokens = body.logprobs and start < len(c.token_ids)
+                    if not delta and not new_tokens and c.finish_reason is None:
                         continue
-                    item = chunk(c.index, {"content": delta} if delta else {}, c.finish_reason, c.stop_reason)
+                    logprobs = self._logprobs(body, c.token_ids[start:], (c.logprobs or [])[start:])
+                    content = {"content": delta} if delta else {}
+                    item = chunk(c.index, content, c.finish_reason, c.stop_reason, logprobs)
                     if body.continuous_usage:
                         item["usage"] = self.usage(prompt_tokens, sum(tokens), cached)
                     yield item

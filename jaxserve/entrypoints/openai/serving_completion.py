@@ -1,7 +1,9 @@
 """POST /v1/completions: one or several prompts (text or token ids), JSON or SSE.
 
 Choice i * n + j is completion j of prompt i, as in OpenAI's API. With `echo` the prompt
-text comes first (in the first chunk when streaming).
+text comes first (in the first chunk when streaming), and with `logprobs` too the prompt's
+tokens lead the logprobs (the first one with null values), as in vLLM. `prompt_logprobs`
+(vLLM's field) comes back on each choice of a plain response.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from aiohttp import web
 
 from jaxserve.entrypoints.openai.protocol import CompletionRequest, now
 from jaxserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt, sse_response
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, body: CompletionRequest, raw: web.Request) -> web.StreamResponse:
         model = self.model_name(body.model)
         body.check_stream_options()
+        body.check_logprobs()
         if body.suffix is not None:
             raise ValueError("suffix is not supported.")
         prompts: list[Prompt] = []
@@ -45,36 +48,85 @@ class OpenAIServingCompletion(OpenAIServing):
         async with contextlib.aclosing(outputs) as gen:
             async for i, out in gen:
                 finals[i] = out
+        as_ids = self.as_token_ids(body)
         choices, completion_tokens, cached = [], 0, 0
         for i, out in enumerate(finals):
             cached += out.num_cached_tokens
+            prompt_logprobs = self.prompt_logprobs(out)
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 text = (prompts[i]["prompt"] or "") + c.text if body.echo else c.text
-                choices.append(_choice(i * body.n + c.index, text, c.finish_reason, c.stop_reason))
+                logprobs = None
+                if body.logprobs is not None:
+                    ids, entries = self._logprob_tokens(out, c, 0, echo=body.echo)
+                    logprobs, _ = self.completion_logprobs(ids, entries, as_ids)
+                choice = _choice(i * body.n + c.index, text, logprobs, c.finish_reason, c.stop_reason)
+                choice["prompt_logprobs"] = prompt_logprobs
+                choices.append(choice)
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         return web.json_response(
             {**head, "choices": choices, "usage": self.usage(prompt_tokens, completion_tokens, cached)}
         )
 
+    @staticmethod
+    def _logprob_tokens(out: RequestOutput, c: CompletionOutput, start: int, echo: bool) -> tuple[list, list]:
+        """The output tokens from `start` on with their logprob entries, the prompt's first
+        when `echo`; None for a token without one (the first prompt token)."""
+
+        def padded(entries: list, n: int) -> list:
+            return entries[:n] + [None] * (n - len(entries))
+
+        ids = list(c.token_ids[start:])
+        entries = padded(list((c.logprobs or [])[start:]), len(ids))
+        if echo:
+            prompt_ids = list(out.prompt_token_ids)
+            ids, entries = (
+                prompt_ids + ids,
+                padded(list(out.prompt_logprobs or []), len(prompt_ids)) + entries,
+            )
+        return ids, entries
+
     async def _chunks(self, body, head, prompts, outputs) -> AsyncIterator[dict]:
         sent: dict[int, int] = {}  # choice index -> characters sent
         tokens: dict[int, int] = {}  # choice index -> tokens generated
+        logged: dict[int, int] = {}  # choice index -> tokens whose logprobs were sent
+        offsets: dict[int, int] = {}  # choice index -> text_offset of the next token
+        done: set[int] = set()  # choice indexes whose last chunk was sent
+        wants_logprobs = body.logprobs is not None
+        as_ids = self.as_token_ids(body)
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         cached = 0
         async with contextlib.aclosing(outputs) as gen:
             async for i, out in gen:
                 for c in out.outputs:
                     index = i * body.n + c.index
+                    if index in done:  # a finished sample still shows in its siblings' outputs
+                        continue
+                    if c.finish_reason is not None:
+                        done.add(index)
                     first = index not in sent
                     delta = c.text[sent.get(index, 0) :]
                     if first and body.echo:
                         delta = (prompts[i]["prompt"] or "") + delta
                     sent[index] = len(c.text)
                     tokens[index] = len(c.token_ids)
-                    if not delta and c.finish_reason is None:
+                    logprobs = None
+                    if wants_logprobs:
+                        start = logged.get(index, 0)
+                        ids, entries = self._logprob_tokens(out, c, start, echo=first and body.echo)
+                        logged[index] = len(c.token_ids)
+                        if ids:
+                            logprobs, offsets[index] = self.completion_logprobs(
+                                ids, entries, as_ids, offsets.get(index, 0)
+                            )
+                    if not delta and logprobs is None and c.finish_reason is None:
                         continue
-                    chunk = {**head, "choices": [_choice(index, delta, c.finish_reason, c.stop_reason)]}
+                    if wants_logprobs and logprobs is None:
+                        logprobs = self.completion_logprobs([], [], as_ids, offsets.get(index, 0))[0]
+                    chunk = {
+                        **head,
+                        "choices": [_choice(index, delta, logprobs, c.finish_reason, c.stop_reason)],
+                    }
                     if body.continuous_usage:
                         chunk["usage"] = self.usage(prompt_tokens, sum(tokens.values()), cached)
                     yield chunk
@@ -85,11 +137,11 @@ class OpenAIServingCompletion(OpenAIServing):
             yield {**head, "choices": [], "usage": usage}
 
 
-def _choice(index: int, text: str, finish_reason: str | None, stop_reason) -> dict:
+def _choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason) -> dict:
     return {
         "index": index,
         "text": text,
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }
