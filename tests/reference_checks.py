@@ -115,3 +115,31 @@ def assert_greedy_batch_matches(
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 500, size=n).tolist() for n in prompt_lens]
     assert_greedy_generation_matches(llm, torch_model, prompts)
+
+
+def hf_beams(model, prompt, width, max_tokens, length_penalty, eos):
+    """transformers' beam search (early_stopping=False): the generated tokens of each of the
+    `width` returned sequences, best first, and their scores."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            num_beams=width,
+            num_return_sequences=width,
+            max_new_tokens=max_tokens,
+            length_penalty=length_penalty,
+            early_stopping=False,
+            eos_token_id=eos,
+            pad_token_id=eos if eos is not None else 0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    seqs = []
+    for row in out.sequences[:, len(prompt) :].tolist():
+        if eos is not None and eos in row:  # finished early: the rest is padding
+            row = row[: row.index(eos) + 1]
+        seqs.append(row)
+    return seqs, out.sequences_scores.tolist()

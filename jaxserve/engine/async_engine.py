@@ -14,11 +14,20 @@ intermediate ones instead of queueing them, and never holds up the engine.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
+from jaxserve.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    finish,
+    start_search,
+    step_params,
+)
 from jaxserve.engine.llm_engine import EngineDeadError, LLMEngine, ParentRequest, PromptType
 from jaxserve.engine.stats import IterationStats, SchedulerStats
 from jaxserve.outputs import RequestOutput
@@ -141,6 +150,32 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """make_request + stream: bad input raises here, before anything is queued."""
         return self.stream(self.make_request(prompt, params, request_id, priority))
+
+    def start_beam_search(self, prompt: PromptType, params: BeamSearchParams) -> BeamSearch:
+        """Check and tokenize a beam search without running it; ValueError on bad input."""
+        if self.dead_error is not None:
+            raise EngineRequestError(f"The engine is not running: {self.dead_error}")
+        return start_search(self.engine, self.engine.tokenize_prompt(prompt)[1], params)
+
+    async def beam_search(self, search: BeamSearch, request_id: str) -> BeamSearchOutput:
+        """Run a search from start_beam_search: each round, one one-token request per live
+        beam (ids `{request_id}-{round}-{beam}`); cancelling aborts the round in flight."""
+
+        async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+            outputs = [output async for output in stream]
+            return outputs[-1]
+
+        step = step_params(search.params)
+        for round_ in itertools.count():
+            if search.done:
+                break
+            rounds = [
+                last(self.generate({"prompt_token_ids": beam.tokens}, step, f"{request_id}-{round_}-{i}"))
+                for i, beam in enumerate(search.running)
+            ]
+            outputs = await asyncio.gather(*rounds)
+            search.advance([out.outputs[0].logprobs[0] for out in outputs])
+        return finish(search, self.engine.tokenizer)
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))

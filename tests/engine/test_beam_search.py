@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+from reference_checks import hf_beams
 from tiny_models import engine_kwargs
 
 from jaxserve import LLM, BeamSearchParams, SamplingParams
@@ -21,30 +21,6 @@ def llm(tiny_llama_gqa):
 def prompts():
     rng = np.random.default_rng(4)
     return [rng.integers(3, 500, size=n).tolist() for n in (6, 19)]
-
-
-def hf_beams(model, prompt, width, max_tokens, length_penalty, eos):
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            num_beams=width,
-            num_return_sequences=width,
-            max_new_tokens=max_tokens,
-            length_penalty=length_penalty,
-            early_stopping=False,
-            eos_token_id=eos,
-            pad_token_id=eos if eos is not None else 0,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    seqs = []
-    for row in out.sequences[:, len(prompt) :].tolist():
-        if eos is not None and eos in row:  # finished early: the rest is padding
-            row = row[: row.index(eos) + 1]
-        seqs.append(row)
-    return seqs, out.sequences_scores.tolist()
 
 
 def _check(ours, prompt, want_seqs, want_scores):

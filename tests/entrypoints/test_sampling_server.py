@@ -297,3 +297,43 @@ async def test_n_samples_each_carry_their_logprobs(client):
         temperature=1.0, seed=5, extra_body={"ignore_eos": True},
     )  # fmt: skip
     assert [len(c.logprobs.content) for c in chat.choices] == [4, 4]
+
+
+BEAM_PROMPT = [5, 17, 99, 23, 44, 8, 120]
+
+
+async def test_beam_search_returns_transformers_beams(client, tiny_llama_gqa, llm_engine):
+    """use_beam_search with n=3: transformers' three beams, best first; streamed, the same
+    answer arrives in one piece per choice."""
+    from reference_checks import hf_beams
+
+    seqs, _ = hf_beams(tiny_llama_gqa[1], BEAM_PROMPT, 3, 5, 1.0, eos=None)
+    want = [llm_engine.tokenizer.decode(s, skip_special_tokens=True) for s in seqs]
+    kw = dict(model=MODEL, prompt=BEAM_PROMPT, n=3, max_tokens=5, temperature=0.0)
+    extra = {"use_beam_search": True, "ignore_eos": True}
+    out = await client.completions.create(**kw, extra_body=extra)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == want
+    assert all(c.finish_reason == "length" for c in out.choices)
+    assert out.usage.completion_tokens == 15
+    streamed = {}
+    async for chunk in await client.completions.create(**kw, extra_body=extra, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == want
+
+
+async def test_best_of_returns_the_most_likely_samples(client):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=1.0, seed=3)
+    every = await client.completions.create(**kw, n=3, logprobs=0)
+    best = await client.completions.create(**kw, n=1, extra_body={"best_of": 3}, logprobs=0)
+    ranked = sorted(every.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    assert len(best.choices) == 1 and best.choices[0].text == ranked[0].text
+
+
+async def test_chat_beam_search_answers_with_the_beams(client):
+    kw = dict(model=MODEL, messages=MESSAGES, n=2, max_tokens=4, temperature=0.0)
+    out = await client.chat.completions.create(**kw, extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.choices[0].message.content != out.choices[1].message.content
+    assert out.usage.completion_tokens == 8

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from jaxserve.beam_search import BeamSearchParams
 from jaxserve.sampling_params import SamplingParams
 
 _INT64 = 2**63 - 1
@@ -129,8 +130,6 @@ class _SamplingRequest(OpenAIBaseModel):
     def to_sampling_params(self, max_tokens: int, defaults: dict[str, Any]) -> SamplingParams:
         """SamplingParams for this request; `max_tokens` is already resolved by the caller
         (it depends on the prompt length). Raises ValueError on out-of-range values."""
-        if self.use_beam_search:
-            raise ValueError("use_beam_search is not supported by jaxserve yet.")
 
         def pick(name: str, fallback: Any) -> Any:
             value = getattr(self, name)
@@ -164,12 +163,29 @@ class _SamplingRequest(OpenAIBaseModel):
             bad_words=self.bad_words,
         )
 
+    def to_beam_search_params(self, max_tokens: int) -> BeamSearchParams | None:
+        """With `use_beam_search`, vLLM's reading of the request: n beams, returned best first."""
+        if not self.use_beam_search:
+            return None
+        return BeamSearchParams(
+            beam_width=self.n,
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+            temperature=self.temperature if self.temperature is not None else 0.0,
+            length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be given when stream is true.")
 
     def check_logprobs(self) -> None:
-        """vLLM's rules on the logprob fields that a JSON schema cannot say."""
+        """vLLM's rules on the logprob (and best_of) fields that a JSON schema cannot say."""
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise bad_request(
+                "best_of greater than n cannot be streamed (the best are known only at the end).", "best_of"
+            )
         p = self.prompt_logprobs
         if self.stream and p is not None and (p > 0 or p == -1):
             raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")

@@ -45,7 +45,8 @@ class OpenAIServingChat(OpenAIServing):
         )
         request_id = self.request_id(raw, body, "chatcmpl")
         self.log_request(request_id, prompt, params)
-        outputs = self.generate_all(request_id, [prompt], [params], body.priority)
+        beams = [body.to_beam_search_params(params.max_tokens)]
+        outputs = self.generate_all(request_id, [prompt], [params], body.priority, beams)
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": model}
         role = self.role(body)
         echo = self._echo_text(body, role)

@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from jaxserve.beam_search import BeamSearch, BeamSearchParams
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineRequestError
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -29,7 +30,7 @@ from jaxserve.entrypoints.openai.protocol import (
     random_id,
 )
 from jaxserve.entrypoints.openai.server_args import ServerArgs
-from jaxserve.outputs import Logprob, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxserve.entrypoints.openai")
@@ -205,13 +206,27 @@ class OpenAIServing:
         )
 
     def generate_all(
-        self, request_id: str, prompts: list[Prompt], params: list[SamplingParams], priority: int
+        self,
+        request_id: str,
+        prompts: list[Prompt],
+        params: list[SamplingParams],
+        priority: int,
+        beams: list[BeamSearchParams | None] | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of several prompts as they come, tagged with the prompt's index.
 
         Every prompt is checked (make_request) before any is queued, so a bad second
-        prompt never leaves the first one running. Leaving early aborts them all.
+        prompt never leaves the first one running. Leaving early aborts them all. With
+        `beams` (use_beam_search), each prompt's beam search yields one final output.
         """
+        if beams is not None and beams[0] is not None:
+            searches = [self.engine.start_beam_search(p, b) for p, b in zip(prompts, beams, strict=True)]
+            return _merge(
+                [
+                    self._beam_output(request_id if len(prompts) == 1 else f"{request_id}-{i}", p, s, sp)
+                    for i, (p, s, sp) in enumerate(zip(prompts, searches, params, strict=True))
+                ]
+            )
         parents = [
             self.engine.make_request(
                 p, sp, request_id if len(prompts) == 1 else f"{request_id}-{i}", priority
@@ -219,6 +234,44 @@ class OpenAIServing:
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
         ]
         return _merge([self.engine.stream(parent) for parent in parents])
+
+    async def _beam_output(
+        self, request_id: str, prompt: Prompt, search: BeamSearch, params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """A beam search's result as one finished RequestOutput: the beams as completions,
+        best first, with the logprobs the request asked for (the chosen token and its top k)."""
+        result = await self.engine.beam_search(search, request_id)
+        prompt_len = len(prompt["prompt_token_ids"])
+        tokenizer = self.engine.engine.tokenizer
+        k = params.logprobs
+        completions = []
+        for index, seq in enumerate(result.sequences):
+            generated = seq.tokens[prompt_len:]
+            text = (
+                tokenizer.decode(generated, skip_special_tokens=params.skip_special_tokens)
+                if tokenizer
+                else ""
+            )
+            logprobs = None
+            if k is not None:
+                logprobs = [
+                    {t: lp for t, lp in entry.items() if t == token or (k == -1 or lp.rank <= k)}
+                    for entry, token in zip(seq.logprobs, generated)
+                ]
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=text,
+                    token_ids=generated,
+                    cumulative_logprob=seq.cum_logprob,
+                    logprobs=logprobs,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        yield RequestOutput(
+            request_id, prompt["prompt"], prompt["prompt_token_ids"], completions, finished=True
+        )
 
     # ---- logprobs ------------------------------------------------------------------------
 
