@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import numpy as np
 from flax import nnx
@@ -143,3 +145,19 @@ def hf_beams(model, prompt, width, max_tokens, length_penalty, eos):
             row = row[: row.index(eos) + 1]
         seqs.append(row)
     return seqs, out.sequences_scores.tolist()
+
+
+@contextlib.contextmanager
+def compilations():
+    """Collects an entry for every XLA compilation that happens inside the block."""
+    events: list[str] = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

@@ -4,9 +4,9 @@ depend on the batch, and a mixed workload after start-up compiles nothing."""
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
+from reference_checks import compilations
 from tiny_models import engine_kwargs
 
 from jaxserve import LLM, SamplingParams
@@ -172,14 +172,7 @@ def test_mixed_workload_compiles_nothing_after_startup(tiny_llama_gqa, prompts):
     runner = llm.llm_engine.runner
     compiled_at_start = runner.num_compiled
     assert compiled_at_start == len(runner.buckets.all())
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with compilations() as compiles:
         params = [
             SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
             SamplingParams(temperature=0.8, top_p=0.5, max_tokens=9, seed=3, ignore_eos=True),
@@ -191,8 +184,6 @@ def test_mixed_workload_compiles_nothing_after_startup(tiny_llama_gqa, prompts):
                 [params[i % 3] for i in range(len(batch))],
                 use_tqdm=False,
             )
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
     assert runner.num_compiled == compiled_at_start
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from reference_checks import NEAR_TIE, teacher_forced_logits
+from reference_checks import NEAR_TIE, compilations, teacher_forced_logits
 from tiny_models import engine_kwargs
 
 from jaxserve import LLM, SamplingParams
@@ -214,8 +214,6 @@ def test_over_max_logprobs_and_bad_ids_are_refused(llm, prompts):
 def test_mixed_batches_compile_nothing_after_warm_up(tiny_llama_gqa, prompts):
     """One workload mixing every setting warms up the step variants it needs; the same
     workload with other values in every field (and other seeds) then compiles nothing."""
-    import jax
-
     llm = LLM(tiny_llama_gqa[0], **engine_kwargs(max_num_batched_tokens=32, max_num_seqs=4))
 
     def workload(scale: float, seed: int):
@@ -231,15 +229,6 @@ def test_mixed_batches_compile_nothing_after_warm_up(tiny_llama_gqa, prompts):
         llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
 
     workload(1.0, seed=1)
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with compilations() as compiles:
         workload(2.0, seed=2)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
