@@ -30,6 +30,7 @@ from jaxserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from jaxserve.layers.attention import ATTENTION_BACKENDS, resolve_attention_backend
 from jaxserve.layers.rotary import ROPE_REQUIRED_KEYS, max_len_with_rope_scaling
 
 logger = logging.getLogger(__name__)
@@ -296,6 +297,15 @@ class EngineArgs:
         _MODEL, False, "Compile shapes lazily on first use instead of precompiling every bucket."
     )
     max_seq_len_to_capture: int = arg(_MODEL, 8192, "Longest context covered by the precompiled buckets.")
+    attention_backend: str = arg(
+        _MODEL,
+        "auto",
+        "Ragged paged attention implementation (a jaxserve flag): auto = the Pallas kernel of the "
+        "platform (TPU, GPU), the pure-jnp reference on CPU; reference; pallas (refused where there "
+        "is no kernel); pallas-tpu-interpret / pallas-gpu-interpret run a kernel in Pallas' interpret "
+        "mode anywhere (slow; for checking kernels on CPU).",
+        choices=ATTENTION_BACKENDS,
+    )
     compilation_config: dict | str | None = arg(
         _COMP,
         help='JSON object: token_buckets, seq_buckets, cache_dir (e.g. \'{"cache_dir": ""}\').',
@@ -582,6 +592,7 @@ class EngineArgs:
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0.")
         self._check_rope()
+        resolve_attention_backend(self.attention_backend, _platform())
         if self.tensor_parallel_size > len(jax.devices()):
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size} needs that many devices; "
@@ -755,5 +766,6 @@ class EngineArgs:
                 seq_buckets=tuple(comp["seq_buckets"]) if "seq_buckets" in comp else None,
                 cache_dir=comp.get("cache_dir"),
                 min_token_bucket=1 if _platform() == "cpu" else 16,
+                attention_backend=resolve_attention_backend(self.attention_backend, _platform()),
             ),
         )

@@ -90,6 +90,9 @@ class CompilationConfig:
     min_token_bucket: int = 16  # smallest derived token bucket (1 on CPU, see runner/bucketing.py)
     # JAX persistent compilation cache: None = the default dir under ~/.cache, "" = off.
     cache_dir: str | None = None
+    # The attention the step is traced with (layers/attention.py): "reference", "tpu", "gpu",
+    # "tpu-interpret" or "gpu-interpret"; --attention-backend resolved for the platform.
+    attention_backend: str = "reference"
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ FLAGS = [
     ("--max-model-len", "A", None, "1k", 1000),
     ("--seed", "A", 0, "3", 3),
     ("--load-format", "A", "auto", "dummy", "dummy"),
+    ("--attention-backend", "A", "auto", "reference", "reference"),
     ("--use-tqdm-on-load", "A", True, False, False),
     ("--ignore-patterns", "A", None, ["*.pt", "original/*"], ["*.pt", "original/*"]),
     ("--model-loader-extra-config", "C", {}, '{"threads": 2}', {"threads": 2}),

@@ -252,6 +252,8 @@ def test_tier_b_values_jaxserve_honours_start(served, caplog, flag, value, expec
         (["--model", "a", "b"], "model"),
         (["--uvicorn-log-level", "loud"], "--uvicorn-log-level"),
         (["--hf-overrides", "[1]"], "--hf-overrides"),
+        (["--attention-backend", "pallas"], "--attention-backend pallas needs a TPU or GPU"),
+        (["--attention-backend", "triton"], "--attention-backend"),
     ],
 )
 def test_values_jaxserve_refuses_exit_2_with_one_line(served, capsys, flags, named):

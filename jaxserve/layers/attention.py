@@ -1,17 +1,72 @@
 """The attention models call: writes the step's keys and values into the paged pool, then
 runs ragged paged attention with the backend chosen for the platform.
 
-On CPU the pure-jnp reference is the backend; Pallas kernels for TPU and GPU plug in
-here behind the same signature.
+Every backend has the reference's signature (pallas_kernels/ragged_paged_attention/): the
+pure-jnp reference (CPU), the Pallas TPU kernel and the Pallas GPU kernel, the last two also
+in Pallas' interpret mode for checking them on any machine. The runner traces its step
+inside `use_backend(...)`; models never name a backend.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 from dataclasses import dataclass
 
 import jax
 
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
+from pallas_kernels.ragged_paged_attention import reference
+from pallas_kernels.ragged_paged_attention.reference import write_kv
+
+# --attention-backend values
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-tpu-interpret", "pallas-gpu-interpret")
+_KERNEL_PLATFORMS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}
+
+_backend: contextvars.ContextVar[str] = contextvars.ContextVar("attention_backend", default="reference")
+
+
+def resolve_attention_backend(requested: str, platform: str) -> str:
+    """--attention-backend on this platform -> the backend traced: "reference", "tpu",
+    "gpu", "tpu-interpret" or "gpu-interpret". ValueError (one line) for a kernel the
+    platform has none of."""
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {requested!r}."
+        )
+    kernel = _KERNEL_PLATFORMS.get(platform)
+    if requested == "auto":
+        return kernel or "reference"
+    if requested == "pallas":
+        if kernel is None:
+            raise ValueError(
+                f"--attention-backend pallas needs a TPU or GPU; this platform is {platform!r} "
+                "(use reference, or pallas-tpu-interpret / pallas-gpu-interpret to run a kernel interpreted)."
+            )
+        return kernel
+    return requested.removeprefix("pallas-")
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Trace paged_attention with backend `name` (a resolve_attention_backend result)."""
+    token = _backend.set(name)
+    try:
+        yield
+    finally:
+        _backend.reset(token)
+
+
+@functools.cache
+def _kernel(name: str):
+    if name == "reference":
+        return reference.ragged_paged_attention
+    platform, _, mode = name.partition("-")
+    if platform == "tpu":
+        from pallas_kernels.ragged_paged_attention import tpu as module
+    else:
+        from pallas_kernels.ragged_paged_attention import gpu as module
+    return functools.partial(module.ragged_paged_attention, interpret=mode == "interpret")
 
 
 @jax.tree_util.register_dataclass
@@ -40,7 +95,7 @@ def paged_attention(
     page_offset = layer * pages_per_layer
     page_size = kv_pool.shape[2]
     kv_pool = write_kv(kv_pool, k, v, meta.slot_mapping + page_offset * page_size)
-    out = ragged_paged_attention(
+    out = _kernel(_backend.get())(
         q,
         kv_pool,
         meta.kv_lens,

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig, jaxserve_cache_dir
+from jaxserve.layers.attention import use_backend
 from jaxserve.layers.sampler import ProcessorState, count_sampled, sample, top_logprobs
 from jaxserve.loader.model_loader import build_model_args, load_model
 from jaxserve.runner import batch as batch_lib
@@ -119,7 +120,9 @@ class ModelRunner:
         if compiled is None:
             inputs = jax.device_put(self._dummy_inputs(*bucket), self._replicated)
             processors = self._processor_state() if variant[0] else None
-            with jax.set_mesh(self.mesh):  # layers that split work by hand (MoE experts) read it
+            # layers that split work by hand (MoE experts) read the mesh; attention its backend
+            backend = self.config.compilation_config.attention_backend
+            with jax.set_mesh(self.mesh), use_backend(backend):
                 lowered = self._jitted[variant].lower(self.state, self.kv_pool, processors, inputs)
                 compiled = lowered.compile()
             self._compiled[(bucket, variant)] = compiled
