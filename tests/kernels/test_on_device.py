@@ -1,0 +1,58 @@
+"""The platform's Pallas kernel against the reference on a real TPU or GPU (compiled, not
+interpreted), over decode, prefill and mixed batches of realistic heads, in float32 and
+bfloat16. Skipped on CPU; scripts/accelerator_check.sh runs it on a lent machine."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.layers.attention import _kernel, resolve_attention_backend
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
+
+pytestmark = pytest.mark.accelerator
+
+PLATFORM = jax.devices()[0].platform
+
+
+def _case(rng, seqs, num_q_heads, num_kv_heads, head_dim, page_size, dtype, max_num_seqs=16):
+    """seqs: (context_len, q_len) per sequence; pages scattered through the pool."""
+    pages_per_seq = max(-(-(c + q) // page_size) for c, q in seqs)
+    num_pages = 1 + max_num_seqs * pages_per_seq
+    kv = jnp.asarray(rng.standard_normal((num_pages, 2 * num_kv_heads, page_size, head_dim)), dtype)
+    pages = (1 + rng.permutation(max_num_seqs * pages_per_seq)).reshape(max_num_seqs, pages_per_seq)
+    q_lens = np.zeros(max_num_seqs, np.int32)
+    kv_lens = np.zeros(max_num_seqs, np.int32)
+    for i, (c, ql) in enumerate(seqs):
+        q_lens[i], kv_lens[i] = ql, c + ql
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_tokens = int(cu[-1]) + 7  # padding rows too
+    q = jnp.asarray(rng.standard_normal((num_tokens, num_q_heads, head_dim)), dtype)
+    args = (q, kv, jnp.asarray(kv_lens), jnp.asarray(pages, jnp.int32), jnp.asarray(cu))
+    return (*args, jnp.asarray([len(seqs)], jnp.int32))
+
+
+BATCHES = {
+    "decode": [(2047, 1)] * 8 + [(100, 1), (5, 1)],
+    "prefill": [(0, 300), (0, 17), (0, 1)],
+    "mixed": [(1000, 1), (0, 129), (513, 64), (15, 1), (31, 1)],
+}
+
+
+@pytest.mark.skipif(PLATFORM == "cpu", reason="needs a TPU or GPU")
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (16, 16, 64)])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 256}, {"soft_cap": 30.0}])
+def test_kernel_matches_the_reference_on_the_device(batch, dtype, heads, options):
+    kernel = _kernel(resolve_attention_backend("pallas", PLATFORM))
+    inputs = _case(np.random.default_rng(0), BATCHES[batch], *heads, 16, jnp.dtype(dtype))
+    scale = heads[2] ** -0.5
+    got = jax.jit(lambda *a: kernel(*a, sm_scale=scale, **options))(*inputs)
+    want = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=scale, **options))(*inputs)
+    # float32: both accumulate in float32 in a different order; bfloat16: outputs are rounded to
+    # bfloat16 (8 bits of mantissa), so a few units in the last place of values of order 1.
+    atol = 2e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=atol, rtol=0)
