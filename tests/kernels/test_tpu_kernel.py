@@ -1,0 +1,260 @@
+"""The TPU kernel, run in interpret mode (TPU semantics: DMAs, semaphores, VMEM scratch
+that starts as NaN), against plain numpy attention over each sequence's dense keys and
+against the reference.
+
+Interpreting costs a few seconds of compilation per static configuration (heads, head_dim,
+page size, dtype, block sizes, options), so every case of one configuration shares one set
+of array shapes, and the configurations are chosen pairwise rather than as a full product:
+each pair of (GQA ratio, head_dim, page size) values and each block-size regime (one KV
+block per item or several; sequences inside one q block or across many) appears at least
+once."""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_ragged_paged_attention import dense_attention, token_major
+
+from pallas_kernels.ragged_paged_attention import reference, tpu
+
+MAX_NUM_SEQS = 8  # the mixes below fill 5 slots: the other 3 are padding
+NUM_KV_HEADS = 2
+
+
+def _lengths(page):
+    return [1, page - 1, page, page + 1, 2 * page + 3]
+
+
+MIXES = {
+    # kv_len (context + the new token) of 1, page - 1, page, page + 1 and a few pages.
+    "decode": lambda p: [(n - 1, 1) for n in _lengths(p)],
+    "prefill": lambda p: [(0, n) for n in _lengths(p)],
+    # Chunks on cached context (crossing page boundaries) among decodes.
+    "mixed": lambda p: [(p - 3, 5), (2 * p + 2, 1), (0, p + 1), (p + 1, p - 1), (4, 1)],
+}
+
+
+def _shapes(page):
+    """(num_tokens, pages_per_seq), fixed per page size so that every mix shares them."""
+    longest = max(c + q for mix in MIXES.values() for c, q in mix(page))
+    most_rows = max(sum(q for _, q in mix(page)) for mix in MIXES.values())
+    return most_rows + 9, -(-longest // page) + 1
+
+
+def make_case(rng, seqs, group, head_dim, page, dtype, num_kv_heads=NUM_KV_HEADS):
+    """seqs: (context_len, q_len) per sequence. Pages scattered through a pool holding the
+    tables of all MAX_NUM_SEQS slots; padding query rows are NaN (they must stay apart)."""
+    num_tokens, pages_per_seq = _shapes(page)
+    num_pages = 1 + MAX_NUM_SEQS * pages_per_seq
+    kv = jnp.asarray(rng.standard_normal((num_pages, 2 * num_kv_heads, page, head_dim)), dtype)
+    pages = (1 + rng.permutation(MAX_NUM_SEQS * pages_per_seq)).reshape(MAX_NUM_SEQS, pages_per_seq)
+    q_lens = np.zeros(MAX_NUM_SEQS, np.int32)
+    kv_lens = np.zeros(MAX_NUM_SEQS, np.int32)
+    for i, (c, ql) in enumerate(seqs):
+        q_lens[i], kv_lens[i] = ql, c + ql
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((num_tokens, group * num_kv_heads, head_dim))
+    q[cu[-1] :] = np.nan
+    args = (jnp.asarray(q, dtype), kv, jnp.asarray(kv_lens), jnp.asarray(pages, jnp.int32), jnp.asarray(cu))
+    return (*args, jnp.asarray([len(seqs)], jnp.int32))
+
+
+def dense_expected(case, seqs, window=None, cap=None):
+    """Every sequence's rows by dense numpy attention in float64 on the (possibly bfloat16)
+    inputs; padding rows zero."""
+    q, kv, _, pages, cu, _ = case
+    q = np.asarray(q, np.float64)
+    page = kv.shape[2]
+    pool = token_major(np.asarray(kv, np.float64))
+    out = np.zeros_like(q)
+    for i, (c, ql) in enumerate(seqs):
+        pos = np.arange(c + ql)
+        flat = np.asarray(pages)[i, pos // page] * page + pos % page
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        out[rows] = dense_attention(
+            q[rows], pool[flat, :, 0], pool[flat, :, 1], c, q.shape[-1] ** -0.5, window, cap
+        )
+    return out
+
+
+# float32: kernel and dense attention both sum in (at least) float32, in different orders.
+# bfloat16: the same bfloat16 inputs, scores and sums in float32 in both, but the kernel
+# feeds p to the second matmul in bfloat16 (2^-9 relative per weight, averaging out) and
+# rounds its output to bfloat16 (2^-9 relative); the outputs are below 4 in size, so the
+# two differ by at most about one bfloat16 step (0.008 to 0.016): seen up to 0.008 here.
+TOLERANCE = {jnp.float32: dict(atol=2e-5, rtol=1e-5), jnp.bfloat16: dict(atol=1.5e-2, rtol=1e-2)}
+
+
+@functools.cache
+def _kernel(head_dim, **static):
+    """One jitted kernel per static configuration; a window, when given, is traced."""
+
+    def run(q, kv, kv_lens, pages, cu, num_seqs, window=None):
+        args = (q, kv, kv_lens, pages, cu, num_seqs)
+        scale = head_dim**-0.5
+        return tpu.ragged_paged_attention(
+            *args, sm_scale=scale, sliding_window=window, interpret=True, **static
+        )
+
+    return jax.jit(run)
+
+
+@functools.cache
+def _reference(head_dim, cap):
+    def run(q, kv, kv_lens, pages, cu, num_seqs, window=None):
+        return reference.ragged_paged_attention(
+            q, kv, kv_lens, pages, cu, num_seqs, sm_scale=head_dim**-0.5, sliding_window=window, soft_cap=cap
+        )
+
+    return jax.jit(run)
+
+
+def _check(case, seqs, dtype, window=None, cap=None, **blocks):
+    head_dim = case[0].shape[-1]
+    out = _kernel(head_dim, soft_cap=cap, **blocks)(*case, *([] if window is None else [window]))
+    assert out.dtype == dtype and out.shape == case[0].shape
+    out = np.asarray(out, np.float64)
+    assert np.all(out[int(case[4][-1]) :] == 0.0)  # padding rows (NaN queries) are zeros
+    np.testing.assert_allclose(out, dense_expected(case, seqs, window, cap), **TOLERANCE[dtype])
+    return out
+
+
+# (group, head_dim, page size, block_q, pages_per_block): every pair of group, head_dim and
+# page size once; None = the default blocks (one q block holds several sequences, one KV
+# block covers a whole sequence), small blocks = prefills over several q blocks and several
+# KV blocks per item, with the prefetch of the next item's first block.
+CONFIGS = [
+    (1, 64, 16, None, None),
+    (1, 128, 32, 8, 1),
+    (2, 64, 32, 16, 2),
+    (2, 128, 16, None, None),
+    (4, 64, 16, 16, 1),
+    (4, 128, 32, None, None),
+    (8, 64, 32, None, 1),
+    (8, 128, 16, 16, 2),
+]
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "g{}-d{}-p{}-bq{}-ppb{}".format(*c))
+def test_kernel_matches_dense_attention(config, mix):
+    group, head_dim, page, block_q, pages_per_block = config
+    rng = np.random.default_rng(zlib.crc32(repr((config, mix)).encode()))
+    seqs = MIXES[mix](page)
+    case = make_case(rng, seqs, group, head_dim, page, jnp.float32)
+    _check(case, seqs, jnp.float32, block_q=block_q, pages_per_block=pages_per_block)
+
+
+# Windows from one key to more than the longest context (a window that wide is full
+# attention); sliding_window is traced here, as a layer scan passes it.
+@pytest.mark.parametrize("window", [1, 5, 17, 40, 2**31 - 1])
+def test_traced_sliding_window(window):
+    rng = np.random.default_rng(window % 1000)
+    seqs = MIXES["mixed"](16) + [(45, 1)]
+    case = make_case(rng, seqs, 2, 64, 16, jnp.float32)
+    _check(case, seqs, jnp.float32, window=jnp.int32(window), block_q=16, pages_per_block=1)
+
+
+@pytest.mark.parametrize(
+    "window, cap, page",
+    [(7, None, 16), (None, 5.0, 32), (20, 2.0, 16)],
+    ids=["window", "soft-cap", "window-and-soft-cap"],
+)
+def test_static_window_and_soft_cap(window, cap, page):
+    rng = np.random.default_rng(7)
+    seqs = MIXES["mixed"](page)
+    case = make_case(rng, seqs, 4, 64, page, jnp.float32)
+    head_dim = case[0].shape[-1]
+    run = jax.jit(
+        lambda *a: tpu.ragged_paged_attention(
+            *a,
+            sm_scale=head_dim**-0.5,
+            sliding_window=window,
+            soft_cap=cap,
+            pages_per_block=1,
+            interpret=True,
+        )
+    )
+    out = np.asarray(run(*case))
+    np.testing.assert_allclose(out, dense_expected(case, seqs, window, cap), **TOLERANCE[jnp.float32])
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize(
+    "config, window, cap",
+    [((4, 128, 16, None, 2), None, None), ((1, 64, 32, 16, 1), 9, 30.0)],
+    ids=["g4-d128-p16", "g1-d64-p32-window-soft-cap"],
+)
+def test_bfloat16(config, window, cap, mix):
+    group, head_dim, page, block_q, pages_per_block = config
+    rng = np.random.default_rng(11)
+    seqs = MIXES[mix](page)
+    case = make_case(rng, seqs, group, head_dim, page, jnp.bfloat16)
+    window = None if window is None else jnp.int32(window)
+    out = _check(case, seqs, jnp.bfloat16, window, cap, block_q=block_q, pages_per_block=pages_per_block)
+    # The reference on the same bfloat16 inputs (float32 inside, bfloat16 out).
+    want = _reference(head_dim, cap)(*case, window)
+    np.testing.assert_allclose(out, np.asarray(want, np.float64), **TOLERANCE[jnp.bfloat16])
+
+
+def test_matches_reference_with_stale_slots():
+    """Slots past num_seqs hold stale lengths and offsets (only num_seqs says where the batch
+    ends); the kernel agrees with the reference on every row, padding rows included."""
+    rng = np.random.default_rng(5)
+    seqs = MIXES["mixed"](16)
+    q, kv, kv_lens, pages, cu, num_seqs = make_case(rng, seqs, 2, 64, 16, jnp.float32)
+    q = jnp.where(jnp.isnan(q), 1.0, q)  # the reference multiplies padding rows too
+    kv_lens = kv_lens.at[len(seqs) :].set(7)
+    cu = cu.at[len(seqs) + 1 :].set(cu[len(seqs)] + 3 * jnp.arange(1, MAX_NUM_SEQS - len(seqs) + 1))
+    case = (q, kv, kv_lens, pages, cu, num_seqs)
+    out = np.asarray(_kernel(64, soft_cap=None, block_q=16, pages_per_block=1)(*case))
+    want = np.asarray(_reference(64, None)(*case))
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-5)
+    assert np.all(out[int(cu[len(seqs)]) :] == 0.0)
+
+
+def test_empty_batch_is_all_zeros():
+    rng = np.random.default_rng(6)
+    q, kv, kv_lens, pages, cu, _ = make_case(rng, [], 2, 64, 16, jnp.float32)
+    out = _kernel(64, soft_cap=None, block_q=16, pages_per_block=1)(
+        jnp.zeros_like(q), kv, kv_lens, pages, cu, jnp.zeros((1,), jnp.int32)
+    )
+    assert np.all(np.asarray(out) == 0.0)
+
+
+def test_rejects_uneven_heads_and_ragged_tiles():
+    q = jnp.zeros((8, 3, 64))
+    kv = jnp.zeros((4, 4, 16, 64))
+    args = (
+        jnp.ones(2, jnp.int32),
+        jnp.zeros((2, 2), jnp.int32),
+        jnp.zeros(3, jnp.int32),
+        jnp.ones(1, jnp.int32),
+    )
+    with pytest.raises(ValueError, match="split evenly"):
+        tpu.ragged_paged_attention(q, kv, *args, sm_scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        tpu.ragged_paged_attention(jnp.zeros((8, 2, 64)), kv, *args, sm_scale=1.0, block_q=4, interpret=True)
+
+
+def test_window_per_layer_in_a_scan():
+    """A model scanning over layers passes each layer's window as a scanned value."""
+    rng = np.random.default_rng(8)
+    seqs = MIXES["mixed"](16)
+    case = make_case(rng, seqs, 2, 64, 16, jnp.float32)
+    windows = jnp.asarray([3, 2**31 - 1, 20], jnp.int32)
+
+    def layer(carry, window):
+        out = tpu.ragged_paged_attention(
+            *case, sm_scale=64**-0.5, sliding_window=window, block_q=16, pages_per_block=1, interpret=True
+        )
+        return carry, out
+
+    _, outs = jax.jit(lambda w: jax.lax.scan(layer, 0, w))(windows)
+    for window, out in zip(np.asarray(windows), np.asarray(outs)):
+        np.testing.assert_allclose(out, dense_expected(case, seqs, int(window)), **TOLERANCE[jnp.float32])
