@@ -12,7 +12,7 @@ from jaxserve import LLM, SamplingParams
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["pallas-gpu-interpret"])
+@pytest.mark.parametrize("backend", ["pallas-gpu-interpret", "pallas-tpu-interpret"])
 def test_greedy_tokens_equal_the_reference_backends(tiny_llama_gqa, backend):
     rng = np.random.default_rng(2)
     prompts = [{"prompt_token_ids": rng.integers(3, 500, size=n).tolist()} for n in (5, 21, 40)]
