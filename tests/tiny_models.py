@@ -168,21 +168,23 @@ def make_checkpoint(path, config_cls: str, model_cls: str, overrides: dict, dtyp
     return model
 
 
-# One persistent compilation cache for all tests: engines built on the same tiny model with
-# the same shapes compile once per run instead of once per test.
+# For subprocesses only (the test process itself runs without a persistent cache, see
+# conftest.py): engines started with the same tiny model and shapes compile once per run.
 TEST_XLA_CACHE = os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache")
 
 
 def engine_kwargs(**overrides):
-    """Engine arguments for tiny models on this CPU: few buckets, a small pool."""
+    """Engine arguments for tiny models on this CPU: a small pool and two token buckets
+    (decode-sized and the step's budget), so a test compiles each step variant twice at most."""
     kw = dict(
         max_num_batched_tokens=64,
         max_num_seqs=8,
         num_gpu_blocks_override=64,
         block_size=8,
         enforce_eager=True,
-        compilation_config={"cache_dir": TEST_XLA_CACHE},
         use_tqdm_on_load=False,
     )
     kw.update(overrides)
+    budget = kw["max_num_batched_tokens"]
+    kw.setdefault("compilation_config", {"cache_dir": "", "token_buckets": sorted({min(8, budget), budget})})
     return kw

@@ -14,6 +14,7 @@ builds; a batch that needs none of the extras never pays for them.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
@@ -46,6 +47,12 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", cache_dir or jaxserve_cache_dir("xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# Compiled steps shared by every runner of this process: a second engine on the same model
+# and shapes (several LLM objects in a notebook, a test suite) compiles nothing. Oldest out.
+_SHARED_STEPS: collections.OrderedDict = collections.OrderedDict()
+_MAX_SHARED_STEPS = 256
 
 
 class ModelRunner:
@@ -120,11 +127,20 @@ class ModelRunner:
         if compiled is None:
             inputs = jax.device_put(self._dummy_inputs(*bucket), self._replicated)
             processors = self._processor_state() if variant[0] else None
-            # layers that split work by hand (MoE experts) read the mesh; attention its backend
             backend = self.config.compilation_config.attention_backend
-            with jax.set_mesh(self.mesh), use_backend(backend):
-                lowered = self._jitted[variant].lower(self.state, self.kv_pool, processors, inputs)
-                compiled = lowered.compile()
+            args = (self.state, self.kv_pool, processors, inputs)
+            # The step is a function of the graph, the variant, the top-k width and the
+            # attention backend; the arrays' shapes, dtypes and shardings settle the rest.
+            key = (self.graphdef, variant, self.num_top_logprobs, backend, jax.tree.structure(args),
+                   tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(args)))  # fmt: skip
+            compiled = _SHARED_STEPS.get(key)
+            if compiled is None:
+                # layers that split work by hand (MoE experts) read the mesh; attention its backend
+                with jax.set_mesh(self.mesh), use_backend(backend):
+                    compiled = self._jitted[variant].lower(*args).compile()
+                _SHARED_STEPS[key] = compiled
+                while len(_SHARED_STEPS) > _MAX_SHARED_STEPS:
+                    _SHARED_STEPS.popitem(last=False)
             self._compiled[(bucket, variant)] = compiled
         return compiled
 

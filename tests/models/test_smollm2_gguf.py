@@ -3,31 +3,29 @@ own GGUF loader on the same file (float32)."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 from reference_checks import assert_greedy_generation_matches, prompt_logits, teacher_forced_logits
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.loader.default_model import default_model_path
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=256, use_tqdm_on_load=False)
+    # buckets compiled as the test needs them: the default start-up is covered by the CLI tests
+    return LLM(
+        max_model_len=1024,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        use_tqdm_on_load=False,
+        enforce_eager=True,
+        compilation_config={"token_buckets": [16, 256]},
+    )
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    torch = pytest.importorskip("torch")
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
-    return model.eval()
+def hf_model(smollm2_reference):
+    return smollm2_reference
 
 
 @pytest.fixture(scope="module")
