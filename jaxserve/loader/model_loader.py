@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig, ParallelConfig
 from jaxserve.models.registry import resolve_architecture
@@ -26,15 +26,50 @@ from jaxserve.sharding import named_sharding, state_shardings
 def build_model_args(model_config: ModelConfig, parallel: ParallelConfig | None = None):
     _, entry = resolve_architecture(model_config.hf_config)
     args = entry.make_args(model_config.hf_config, model_config.max_model_len)
+    tp = parallel.tensor_parallel_size if parallel is not None else 1
     moe = getattr(args, "moe", None)  # expert parallelism means something only to MoE models
     if moe is not None and parallel is not None and parallel.enable_expert_parallel:
-        if moe.num_experts % parallel.tensor_parallel_size:
+        if moe.num_experts % tp:
             raise ValueError(
                 f"--enable-expert-parallel: {moe.num_experts} experts do not split evenly over "
-                f"tensor_parallel_size={parallel.tensor_parallel_size}."
+                f"tensor_parallel_size={tp}."
             )
         args = dataclasses.replace(args, moe=dataclasses.replace(moe, expert_parallel=True))
+    if args.num_heads % tp:
+        raise ValueError(
+            f"Total number of attention heads ({args.num_heads}) must be divisible by "
+            f"tensor_parallel_size ({tp})."
+        )
+    if args.num_kv_heads < tp:  # each device needs a whole KV head: store copies (as vLLM does)
+        if tp % args.num_kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size ({tp}) must be a multiple of the number of KV heads "
+                f"({args.num_kv_heads}) when it exceeds it."
+            )
+        args = dataclasses.replace(args, num_kv_heads=tp, kv_head_copies=tp // args.num_kv_heads)
+    elif args.num_kv_heads % tp:
+        raise ValueError(
+            f"Total number of KV heads ({args.num_kv_heads}) must be divisible by tensor_parallel_size ({tp})."
+        )
     return entry, args
+
+
+def repeat_kv_heads(tensor, axis: int, copies: int, head_dim: int):
+    """Each head_dim-sized block along `axis` repeated `copies` times in place (head j becomes
+    heads j*copies .. j*copies+copies-1), so query head h still reads KV head h // group."""
+    if copies == 1:
+        return tensor
+    xp = np if isinstance(tensor, np.ndarray) else jnp
+    shape = tensor.shape
+    heads = tensor.reshape(*shape[:axis], shape[axis] // head_dim, head_dim, *shape[axis + 1 :])
+    return xp.repeat(heads, copies, axis=axis).reshape(
+        *shape[:axis], shape[axis] * copies, *shape[axis + 1 :]
+    )
+
+
+def _kv_axis(var) -> int | None:
+    axes = var.get_metadata().get("logical_axes") or ()
+    return axes.index("kv_heads") if "kv_heads" in axes else None
 
 
 def _checkpoint_tensors(model_config: ModelConfig) -> Iterable[tuple[str, np.ndarray]]:
@@ -67,12 +102,9 @@ def load_model(
         init = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)
         return graphdef, init()
     if model_config.load_format == "orbax":
-        from jaxserve.loader import orbax
+        return graphdef, _restore_orbax(model_config, entry, args, abstract, mesh, expert_parallel)
 
-        return graphdef, orbax.restore(
-            model_config.model, abstract, state_shardings(abstract, mesh, expert_parallel)
-        )
-
+    copies = getattr(args, "kv_head_copies", 1)
     flat = dict(nnx.to_flat_state(abstract))
     buffers: dict[str, np.ndarray] = {}
     filled: set[str] = set()
@@ -92,6 +124,9 @@ def load_model(
         key = tuple(path.split("."))
         target = flat[key].value
         tensor = tensor.T if transpose else tensor
+        kv_axis = _kv_axis(flat[key])
+        if kv_axis is not None:
+            tensor = repeat_kv_heads(tensor, kv_axis - len(index), copies, args.head_dim)
         want = target.shape[len(index) :]
         if tuple(tensor.shape) != tuple(want):
             raise ValueError(
@@ -112,7 +147,42 @@ def load_model(
             f"Checkpoint {model_config.model} lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}."
         )
     for key, var in flat.items():
-        path = ".".join(map(str, key))
+        buf = buffers[".".join(map(str, key))]
         sharding = named_sharding(mesh, var.get_metadata()["logical_axes"], expert_parallel)
-        var.value = jax.device_put(buffers[path].astype(dtype), sharding)
+        # Each device receives only its own slice, cast on the host: no device (and, across
+        # hosts, no process) ever holds a whole tensor it does not own.
+        var.value = jax.make_array_from_callback(buf.shape, sharding, lambda i, b=buf: b[i].astype(dtype))
     return graphdef, nnx.from_flat_state(flat)
+
+
+def _restore_orbax(model_config, entry, args, abstract, mesh, expert_parallel):
+    """Converted checkpoints hold the checkpoint's own KV heads; with kv_head_copies the
+    KV projections are restored replicated, then expanded into their shards."""
+    from jaxserve.loader import orbax
+
+    copies = getattr(args, "kv_head_copies", 1)
+    if copies == 1:
+        return orbax.restore(model_config.model, abstract, state_shardings(abstract, mesh, expert_parallel))
+    saved_args = dataclasses.replace(args, num_kv_heads=args.num_kv_heads // copies, kv_head_copies=1)
+    dtype = jnp.dtype(model_config.dtype)
+    _, saved = nnx.split(nnx.eval_shape(lambda: entry.model_cls(saved_args, dtype=dtype, rngs=nnx.Rngs(0))))
+    shardings = state_shardings(saved, mesh, expert_parallel)
+    replicated = jax.tree.map(
+        lambda var, s: NamedSharding(mesh, PartitionSpec()) if _kv_axis(var) is not None else s,
+        saved,
+        shardings,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+    state = orbax.restore(model_config.model, saved, replicated)
+    flat, target = dict(nnx.to_flat_state(state)), dict(nnx.to_flat_state(abstract))
+    for key, var in flat.items():
+        kv_axis = _kv_axis(var)
+        if kv_axis is not None:
+            sharding = named_sharding(mesh, var.get_metadata()["logical_axes"], expert_parallel)
+            expand = jax.jit(
+                lambda x, a=kv_axis: repeat_kv_heads(x, a, copies, args.head_dim), out_shardings=sharding
+            )
+            target[key].value = expand(var.value)
+        else:
+            target[key].value = var.value
+    return nnx.from_flat_state(target)

@@ -63,6 +63,9 @@ class LlamaArgs:
     final_soft_cap: float | None = None  # logits -> cap * tanh(logit / cap)
     local_inv_freq: tuple[float, ...] | None = None  # rope of the windowed layers, if their own (Gemma 3)
     moe: MoEArgs | None = None  # a mixture of experts in place of every layer's MLP (Mixtral, Qwen3-MoE)
+    # Tensor parallelism over more devices than the checkpoint has KV heads: each KV head is
+    # stored this many times (num_kv_heads counts the copies), so every device holds whole heads.
+    kv_head_copies: int = 1
 
     @classmethod
     def from_hf(cls, hf: Mapping, max_model_len: int) -> LlamaArgs:

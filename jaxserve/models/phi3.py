@@ -18,13 +18,10 @@ def split_fused(name: str, tensor: np.ndarray, args: LlamaArgs) -> Iterator[tupl
     prefix, _, rest = name.rpartition(".self_attn.qkv_proj.")
     if prefix:
         q = args.num_heads * args.head_dim
-        kv = args.num_kv_heads * args.head_dim
-        for part, rows in (
-            ("q_proj", slice(0, q)),
-            ("k_proj", slice(q, q + kv)),
-            ("v_proj", slice(q + kv, None)),
-        ):
-            yield f"{prefix}.self_attn.{part}.{rest}", tensor[rows]
+        k, v = np.split(tensor[q:], 2, axis=0)  # as many rows each, however many KV heads
+        yield f"{prefix}.self_attn.q_proj.{rest}", tensor[:q]
+        yield f"{prefix}.self_attn.k_proj.{rest}", k
+        yield f"{prefix}.self_attn.v_proj.{rest}", v
         return
     prefix, _, rest = name.rpartition(".mlp.gate_up_proj.")
     if prefix:

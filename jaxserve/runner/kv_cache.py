@@ -9,7 +9,6 @@ handed out: padded page-table entries point at it.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import jax
@@ -39,23 +38,28 @@ class KVCacheSpec:
         return per_page * self.num_layers
 
 
-def num_blocks_for(spec: KVCacheSpec, cache: CacheConfig, weight_bytes: int, max_useful_blocks: int) -> int:
-    """How many blocks fit: exactly --num-gpu-blocks-override when given; else the share
-    of device memory --gpu-memory-utilization allows after weights (on CPU, a fixed host
-    budget), capped at what max_num_seqs sequences of max_model_len could ever use."""
+def num_blocks_for(spec: KVCacheSpec, cache: CacheConfig, max_useful_blocks: int, mesh: Mesh) -> int:
+    """How many blocks fit: exactly --num-gpu-blocks-override when given; else what
+    --gpu-memory-utilization leaves on the fullest device once the weights are there (each
+    device holds 1/tp of every block: the pool is split by KV head), on CPU a fixed host
+    budget (--cpu-kv-cache-gb); capped at what max_num_seqs sequences of max_model_len
+    could ever use."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
-    device = jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        budget = stats["bytes_limit"] * cache.gpu_memory_utilization - stats.get("bytes_in_use", weight_bytes)
+    devices = mesh.devices.flat
+    stats = [d.memory_stats() if d.platform != "cpu" else None for d in devices]
+    if all(s and "bytes_limit" in s for s in stats):
+        free = min(s["bytes_limit"] * cache.gpu_memory_utilization - s.get("bytes_in_use", 0) for s in stats)
+        per_block = spec.bytes_per_block / mesh.shape["model"]
+        where = f"{free / 2**30:.2f} GiB per device after weights"
     else:
-        budget = cache.cpu_kv_cache_gb * (1 << 30)
-    blocks = min(int(budget // spec.bytes_per_block), max_useful_blocks)
+        free, per_block = cache.cpu_kv_cache_gb * (1 << 30), spec.bytes_per_block
+        where = f"--cpu-kv-cache-gb={cache.cpu_kv_cache_gb}"
+    blocks = min(int(free // per_block), max_useful_blocks)
     if blocks < 2:
         raise ValueError(
-            f"No memory left for the KV cache ({budget / 2**30:.2f} GiB after weights); raise "
-            "--gpu-memory-utilization or set --num-gpu-blocks-override."
+            f"No memory left for the KV cache ({where}); raise --gpu-memory-utilization, "
+            "shard the model over more devices (-tp) or set --num-gpu-blocks-override."
         )
     return blocks
 
@@ -67,9 +71,9 @@ def allocate_kv_pool(
     sharding = named_sharding(mesh, KV_POOL_AXES)
     pool = jax.jit(lambda: jnp.zeros(shape, spec.dtype), out_shardings=sharding)()
     logger.info(
-        "KV cache: %d blocks of %d tokens (%.2f GiB)",
+        "KV cache: %d blocks of %d tokens, %.2f GiB per device",
         num_blocks,
         spec.page_size,
-        math.prod(shape) * jnp.dtype(spec.dtype).itemsize / 2**30,
+        max(s.data.nbytes for s in pool.addressable_shards) / 2**30,
     )
     return pool

@@ -55,6 +55,15 @@ _SHARED_STEPS: collections.OrderedDict = collections.OrderedDict()
 _MAX_SHARED_STEPS = 256
 
 
+def bytes_per_device(tree) -> dict:
+    """Bytes of the arrays in `tree` held on each (addressable) device."""
+    held = collections.Counter()
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            held[shard.device] += shard.data.nbytes
+    return held
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, mesh: jax.sharding.Mesh | None = None):
         self.config = config
@@ -64,8 +73,13 @@ class ModelRunner:
         _, self.args = build_model_args(mc, config.parallel_config)
         start = time.perf_counter()
         self.graphdef, self.state = load_model(mc, self.mesh, config.parallel_config)
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.state))
-        logger.info("Loaded weights (%.1f MiB) in %.2f s", weight_bytes / 2**20, time.perf_counter() - start)
+        logger.info(
+            "Loaded weights in %.2f s: %.1f MiB in all, %.1f MiB on the fullest of %d devices",
+            time.perf_counter() - start,
+            sum(x.nbytes for x in jax.tree.leaves(self.state)) / 2**20,
+            max(bytes_per_device(self.state).values()) / 2**20,
+            self.mesh.size,
+        )
 
         self.page_size = cc.block_size
         self.pages_per_seq = -(-sc.max_model_len // self.page_size)
@@ -77,8 +91,15 @@ class ModelRunner:
             dtype=jnp.dtype(mc.dtype),
         )
         max_useful = sc.max_num_seqs * self.pages_per_seq + 1
-        self.num_blocks = num_blocks_for(self.kv_spec, cc, weight_bytes, max_useful)
+        self.num_blocks = num_blocks_for(self.kv_spec, cc, max_useful, self.mesh)
         self.kv_pool = allocate_kv_pool(self.kv_spec, self.num_blocks, self.mesh)
+        kv_tokens = (self.num_blocks - 1) * self.page_size  # block 0 is never handed out
+        logger.info(
+            "KV cache size: %s tokens; maximum concurrency for %s tokens per request: %.2fx",
+            f"{kv_tokens:,}",
+            f"{sc.max_model_len:,}",
+            kv_tokens / sc.max_model_len,
+        )
         self.pad_slot = self.num_blocks * self.args.num_layers * self.page_size
 
         self._replicated = NamedSharding(self.mesh, PartitionSpec())

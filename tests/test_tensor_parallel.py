@@ -1,0 +1,177 @@
+"""Tensor parallelism on 8 fake CPU devices: the same greedy tokens at tp = 1, 2, 4 and 8
+(a GQA Llama with fewer KV heads than devices, and a Mixtral with expert parallelism), and
+every device holding only its own slice of each weight and of the KV pool.
+
+The device count is fixed when JAX starts, so the engines run in one fresh subprocess."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from reference_checks import check_greedy
+from tiny_models import TINY_LLAMA, engine_kwargs, make_checkpoint
+
+from jaxserve.args import EngineArgs
+from jaxserve.config import ParallelConfig
+from jaxserve.loader.model_loader import build_model_args
+
+# 8 query heads (tp = 8 gives each device one), 2 KV heads (tp = 4 and 8 store copies).
+TP_LLAMA = {**TINY_LLAMA, "num_attention_heads": 8, "num_key_value_heads": 2}
+TP_MIXTRAL = {**TP_LLAMA, "num_local_experts": 8, "num_experts_per_tok": 2}
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import jax
+    from tiny_models import engine_kwargs
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.runner.model_runner import bytes_per_device
+
+    path, prompts, expert_parallel = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "ep"
+    report = {}
+    for tp in (1, 2, 4, 8):
+        llm = LLM(path, **engine_kwargs(tensor_parallel_size=tp, enable_expert_parallel=expert_parallel))
+        runner = llm.llm_engine.runner
+        shards = {}
+        for key, var in runner.state.flat_state():
+            x = var.value
+            shards[".".join(map(str, key))] = {
+                "shape": list(x.shape),
+                "devices": len({s.device for s in x.addressable_shards}),
+                "shard_shapes": sorted({tuple(s.data.shape) for s in x.addressable_shards}),
+            }
+        pool = runner.kv_pool  # donated to the first step: read it now
+        pool = {"shape": list(pool.shape), "shard_shapes": sorted({tuple(s.data.shape) for s in pool.addressable_shards})}
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+            use_tqdm=False,
+        )
+        report[tp] = {
+            "tokens": [o.outputs[0].token_ids for o in outs],
+            "weights": shards,
+            "weight_bytes": sum(x.nbytes for x in jax.tree.leaves(runner.state)),
+            "fullest_device_bytes": max(bytes_per_device(runner.state).values()),
+            "pool": pool,
+        }
+        del llm, runner, pool
+    if not expert_parallel:  # a converted checkpoint holds 2 KV heads; served at tp = 8 it needs copies
+        from jaxserve.args import EngineArgs
+        from jaxserve.loader.orbax import convert
+
+        out = convert(EngineArgs(model=path, **engine_kwargs()), path + "-orbax")
+        llm = LLM(out, **engine_kwargs(tensor_parallel_size=8))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+            use_tqdm=False,
+        )
+        report["orbax_tp8"] = {"tokens": [o.outputs[0].token_ids for o in outs]}
+    print(json.dumps(report))
+    """
+)
+
+PROMPTS = [[5, 17, 300, 42, 9], list(range(20, 51)), [7]]
+
+
+def _run(path: str, expert_parallel: bool) -> dict:
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, path, json.dumps(PROMPTS), "ep" if expert_parallel else "-"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    return {int(k) if k.isdigit() else k: r for k, r in report.items()}
+
+
+@pytest.fixture(scope="module", params=["llama", "mixtral"])
+def tp_runs(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(f"tp-{request.param}"))
+    if request.param == "llama":
+        model = make_checkpoint(path, "LlamaConfig", "LlamaForCausalLM", TP_LLAMA, "float32", 0)
+    else:
+        model = make_checkpoint(path, "MixtralConfig", "MixtralForCausalLM", TP_MIXTRAL, "float32", 0)
+    return request.param, model, _run(path, expert_parallel=request.param == "mixtral")
+
+
+def test_greedy_tokens_are_the_same_at_every_tensor_parallel_size(tp_runs):
+    _, model, runs = tp_runs
+    for tp in (2, 4, 8, "orbax_tp8"):
+        if tp in runs:
+            assert runs[tp]["tokens"] == runs[1]["tokens"], f"tp={tp}"
+    for prompt, tokens in zip(PROMPTS, runs[1]["tokens"]):
+        compared, total = check_greedy(model, prompt, tokens)
+        assert total == 16 and compared >= 14
+
+
+def test_each_device_holds_only_its_slice(tp_runs):
+    family, _, runs = tp_runs
+    head_dim = TP_LLAMA["hidden_size"] // TP_LLAMA["num_attention_heads"]
+    kv_heads = TP_LLAMA["num_key_value_heads"]
+    for tp, run in runs.items():
+        if tp == "orbax_tp8":
+            continue
+        w = run["weights"]
+        assert all(entry["devices"] == tp for entry in w.values())
+
+        def shard(name, w=w):
+            (shape,) = w[name]["shard_shapes"]  # every device's slice has the same shape
+            return tuple(shape)
+
+        layers, hidden, vocab = TP_LLAMA["num_hidden_layers"], TP_LLAMA["hidden_size"], TP_LLAMA["vocab_size"]
+        assert shard("embed_tokens") == (vocab // tp, hidden)
+        assert shard("lm_head") == (hidden, vocab // tp)
+        assert shard("layers.q_proj") == (layers, hidden, 8 * head_dim // tp)
+        assert shard("layers.o_proj") == (layers, 8 * head_dim // tp, hidden)
+        # whole KV heads on every device: copies once tp exceeds the checkpoint's KV heads
+        kv_per_device = max(kv_heads // tp, 1)
+        assert shard("layers.k_proj") == (layers, hidden, kv_per_device * head_dim)
+        assert shard("layers.v_proj") == (layers, hidden, kv_per_device * head_dim)
+        pages, combined, page, hd = run["pool"]["shape"]
+        assert combined == 2 * max(kv_heads, tp) and hd == head_dim
+        assert run["pool"]["shard_shapes"] == [[pages, 2 * kv_per_device, page, head_dim]]
+        if family == "mixtral":  # whole experts per device
+            experts = TP_MIXTRAL["num_local_experts"]
+            gate = w["layers.expert_gate"]
+            assert gate["shard_shapes"] == [[layers, experts // tp, *gate["shape"][2:]]]
+        else:
+            mlp = TP_LLAMA["intermediate_size"]
+            assert shard("layers.gate_proj") == (layers, hidden, mlp // tp)
+            assert shard("layers.down_proj") == (layers, mlp // tp, hidden)
+        # the fullest device holds about 1/tp of the weights (norms and the router are replicated)
+        assert run["fullest_device_bytes"] <= run["weight_bytes"] / tp * 1.1 + 4096
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, tp, message",
+    [
+        (4, 2, 3, r"Total number of attention heads \(4\) must be divisible by tensor_parallel_size \(3\)"),
+        (12, 4, 6, r"tensor_parallel_size \(6\) must be a multiple of the number of KV heads \(4\)"),
+        (12, 6, 4, r"Total number of KV heads \(6\) must be divisible by tensor_parallel_size \(4\)"),
+    ],
+)
+def test_head_counts_that_do_not_split_are_refused(tiny_llama_gqa, heads, kv_heads, tp, message):
+    config = EngineArgs(model=tiny_llama_gqa[0], **engine_kwargs()).create_engine_config()
+    hf = {**config.model_config.hf_config, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    hf["head_dim"] = 8
+    model_config = dataclasses.replace(config.model_config, hf_config=hf)
+    with pytest.raises(ValueError, match=message):
+        build_model_args(model_config, ParallelConfig(tensor_parallel_size=tp))
+    _, args = build_model_args(model_config, ParallelConfig(tensor_parallel_size=2))
+    assert args.num_kv_heads == max(kv_heads, 2) and args.kv_head_copies == max(1, 2 // kv_heads)
