@@ -355,7 +355,12 @@ class EngineArgs:
     )
     # ---- ParallelConfig
     tensor_parallel_size: int = arg(_PARALLEL, 1, "Devices on the 'model' mesh axis.", short="-tp")
-    data_parallel_size: int = arg(_PARALLEL, 1, "Replicas on the 'data' mesh axis.", tier="B", short="-dp")
+    data_parallel_size: int = arg(
+        _PARALLEL,
+        1,
+        "Engine replicas behind one server, each on its own tensor_parallel_size devices.",
+        short="-dp",
+    )
     pipeline_parallel_size: int = arg(_PARALLEL, 1, "Pipeline stages.", tier="B", short="-pp")
 
     # ---- ModelConfig, continued
@@ -593,10 +598,12 @@ class EngineArgs:
             raise ValueError("long_prefill_token_threshold must be >= 0.")
         self._check_rope()
         resolve_attention_backend(self.attention_backend, _platform())
-        if self.tensor_parallel_size > len(jax.devices()):
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}.")
+        if self.tensor_parallel_size * self.data_parallel_size > len(jax.devices()):
             raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} needs that many devices; "
-                f"{len(jax.devices())} visible."
+                f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="
+                f"{self.data_parallel_size} needs that many devices; {len(jax.devices())} visible."
             )
         if not getattr(self, "_warned", False):
             for line in warnings:
@@ -757,6 +764,7 @@ class EngineArgs:
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
+                data_parallel_size=self.data_parallel_size,
                 enable_expert_parallel=self.enable_expert_parallel,
             ),
             compilation_config=CompilationConfig(

@@ -21,6 +21,11 @@ class LLM:
         known = EngineArgs.field_names()
         extra = {k: v for k, v in kwargs.items() if k not in known}
         args = EngineArgs(model=model, **{k: v for k, v in kwargs.items() if k in known}, extra=extra)
+        if args.data_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size > 1 runs replicas behind one server (`jaxserve serve -dp N`); "
+                "the offline LLM runs a single engine."
+            )
         self.llm_engine = LLMEngine.from_engine_args(args)
 
     def get_tokenizer(self):

@@ -122,8 +122,8 @@ FLAGS = [
     # ---- ParallelConfig
     ("--tensor-parallel-size", "A", 1, "2", 2),
     ("-tp", "A", 1, "2", 2),
-    ("--data-parallel-size", "B", 1, "2", 2),
-    ("-dp", "B", 1, "2", 2),
+    ("--data-parallel-size", "A", 1, "2", 2),
+    ("-dp", "A", 1, "2", 2),
     ("--data-parallel-size-local", "B", None, "1", 1),
     ("--data-parallel-address", "B", None, "10.0.0.1", "10.0.0.1"),
     ("--data-parallel-rpc-port", "B", None, "13345", 13345),
@@ -224,6 +224,8 @@ NEEDS_SETUP = {
     "--log-config-file",
     "--tensor-parallel-size",
     "-tp",
+    "--data-parallel-size",
+    "-dp",
 }
 
 

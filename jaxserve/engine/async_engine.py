@@ -9,6 +9,10 @@ request's stream.
 
 A stream keeps only the newest output: outputs are cumulative, so a slow reader skips
 intermediate ones instead of queueing them, and never holds up the engine.
+
+With data parallelism (`-dp N`) there are N engines, each on its own device group and its
+own thread; router.py picks the replica of each request when it is queued, and the metrics
+see the replicas' scheduler stats summed.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 
 from jaxserve.beam_search import (
     BeamSearch,
@@ -29,6 +34,7 @@ from jaxserve.beam_search import (
     step_params,
 )
 from jaxserve.engine.llm_engine import EngineDeadError, LLMEngine, ParentRequest, PromptType
+from jaxserve.engine.router import Router
 from jaxserve.engine.stats import IterationStats, SchedulerStats
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -67,44 +73,95 @@ class _RequestStream:
         return output
 
 
+@dataclass
+class _Replica:
+    """One engine, the thread that steps it and that thread's inbox."""
+
+    index: int
+    engine: LLMEngine
+    inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    wakeup: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    stats: SchedulerStats | None = None  # its last published snapshot
+
+
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, stats_callbacks: tuple[StatsCallback, ...] = ()):
-        self.engine = engine
+    def __init__(
+        self, engine: LLMEngine | Sequence[LLMEngine], stats_callbacks: tuple[StatsCallback, ...] = ()
+    ):
+        engines = [engine] if isinstance(engine, LLMEngine) else list(engine)
+        self.replicas = [_Replica(i, e) for i, e in enumerate(engines)]
+        self.engine = engines[0]  # config, tokenizer, request checks: the same in every replica
         self.stats_callbacks = list(stats_callbacks)
         self._streams: dict[str, _RequestStream] = {}
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = threading.Event()
+        self._routes: dict[str, int] = {}  # request id -> its replica
+        sched = self.engine.config.scheduler_config
+        self.router = Router(
+            len(engines),
+            self.engine.config.cache_config.block_size,
+            capacity_blocks=self.engine.runner.num_blocks,
+            slack=max(1, sched.max_num_seqs // 4),
+        )
         self._stopping = False
-        self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead_error: BaseException | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args, stats_callbacks: tuple[StatsCallback, ...] = ()) -> AsyncLLMEngine:
+        """One engine per data-parallel rank, each on its own tensor_parallel_size devices."""
+        import jax
+
+        from jaxserve.engine.llm_engine import load_tokenizer
+
+        config = engine_args.create_engine_config()
+        tp, dp = config.parallel_config.tensor_parallel_size, config.parallel_config.data_parallel_size
+        devices = jax.devices()
+        if tp * dp > len(devices):
+            raise ValueError(
+                f"data_parallel_size ({dp}) x tensor_parallel_size ({tp}) needs {tp * dp} devices; "
+                f"{len(devices)} are visible."
+            )
+        tokenizer = load_tokenizer(config)
+        engines = []
+        for rank in range(dp):
+            group = devices[rank * tp : (rank + 1) * tp]
+            if dp > 1:
+                logger.info("Data-parallel rank %d of %d on devices %s", rank, dp, [d.id for d in group])
+            engines.append(LLMEngine(config, tokenizer, devices=group))
+        return cls(engines, stats_callbacks)
 
     # ---- life cycle ----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that will read the streams."""
-        if self._thread is not None:
+        """Start the engine threads; call from the event loop that will read the streams."""
+        if self.replicas[0].thread is not None:
             return
         self._loop = asyncio.get_running_loop()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
-        self._thread.start()
+        for r in self.replicas:
+            name = "jaxserve-engine" if len(self.replicas) == 1 else f"jaxserve-engine-{r.index}"
+            r.thread = threading.Thread(target=self._run, args=(r,), name=name, daemon=True)
+            r.thread.start()
 
     def shutdown(self) -> None:
-        """Stop the thread after its current step; requests still running are aborted."""
-        if self._thread is None:
+        """Stop the threads after their current steps; requests still running are aborted."""
+        if self.replicas[0].thread is None:
             return
         self._stopping = True
-        self._wakeup.set()
-        self._thread.join()
-        self._thread = None
+        for r in self.replicas:
+            r.wakeup.set()
+        for r in self.replicas:
+            r.thread.join()
+            r.thread = None
         for stream in self._streams.values():
             stream.fail(EngineRequestError("The server is shutting down."))
         self._streams.clear()
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+        return self.dead_error is None and all(
+            r.thread is not None and r.thread.is_alive() for r in self.replicas
+        )
 
     @property
     def num_requests(self) -> int:
@@ -131,7 +188,8 @@ class AsyncLLMEngine:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         stream = _RequestStream()
         self._streams[request_id] = stream
-        self._post(("add", parent))
+        replica = self._routes[request_id] = self.router.assign(parent.prompt_token_ids)
+        self._post(replica, ("add", parent))
         finished = False
         try:
             while not finished:
@@ -142,8 +200,10 @@ class AsyncLLMEngine:
                 yield output
         finally:
             self._streams.pop(request_id, None)
+            self._routes.pop(request_id, None)
+            self.router.release(replica)
             if not finished:
-                self._post(("abort", request_id))
+                self._post(replica, ("abort", request_id))
 
     def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
@@ -178,65 +238,89 @@ class AsyncLLMEngine:
         return finish(search, self.engine.tokenizer)
 
     def abort(self, request_id: str) -> None:
-        self._post(("abort", request_id))
+        replica = self._routes.get(request_id)
+        if replica is not None:
+            self._post(replica, ("abort", request_id))
 
-    def _post(self, message: tuple) -> None:
-        self._inbox.put(message)
-        self._wakeup.set()
+    def _post(self, replica: int, message: tuple) -> None:
+        r = self.replicas[replica]
+        r.inbox.put(message)
+        r.wakeup.set()
 
     # ---- the engine thread ---------------------------------------------------------------
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self, replica: _Replica) -> None:
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                kind, payload = replica.inbox.get_nowait()
             except queue.Empty:
                 return
             if kind == "add":
                 if payload.request_id in self._streams:  # not abandoned while in the inbox
-                    self.engine.enqueue(payload)
+                    replica.engine.enqueue(payload)
             else:
-                self.engine.abort_request(payload)
+                replica.engine.abort_request(payload)
 
-    def _run(self) -> None:
-        engine = self.engine
+    def _run(self, replica: _Replica) -> None:
+        engine = replica.engine
         try:
-            while not self._stopping:
-                self._drain_inbox()
+            while not self._stopping and self.dead_error is None:
+                self._drain_inbox(replica)
                 if not engine.has_unfinished_requests():
                     pending = engine.flush_stats()
                     if pending is not None:
                         self._loop.call_soon_threadsafe(
-                            self._publish, [], (engine.scheduler_stats(), pending)
+                            self._publish, replica, [], (engine.scheduler_stats(), pending)
                         )
-                    self._wakeup.wait()
-                    self._wakeup.clear()
+                    replica.wakeup.wait()
+                    replica.wakeup.clear()
                     continue
                 outputs = engine.step()
                 stats = (engine.scheduler_stats(), engine.iteration_stats)
-                self._loop.call_soon_threadsafe(self._publish, outputs, stats)
+                self._loop.call_soon_threadsafe(self._publish, replica, outputs, stats)
         except BaseException as e:  # the engine cannot go on: fail everyone, /health says so
             if not isinstance(e, EngineDeadError):
                 logger.exception("The engine loop died")
             else:
                 logger.error("The engine loop died: %s", e)
             self.dead_error = e
+            for other in self.replicas:  # the other replicas stop too: one server, one fate
+                other.wakeup.set()
             self._loop.call_soon_threadsafe(self._fail_all, e)
         finally:
             if self._stopping:
                 engine.abort_all()
 
-    def _publish(self, outputs: list[RequestOutput], stats: tuple[SchedulerStats, IterationStats]) -> None:
+    def _publish(
+        self, replica: _Replica, outputs: list[RequestOutput], stats: tuple[SchedulerStats, IterationStats]
+    ) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 stream.put(output)
+        replica.stats = stats[0]
+        self.router.kv_usage[replica.index] = stats[0].kv_cache_usage
+        sched = (
+            stats[0] if len(self.replicas) == 1 else _sum_stats([r.stats for r in self.replicas if r.stats])
+        )
         for callback in self.stats_callbacks:
             try:
-                callback(*stats)
+                callback(sched, stats[1])
             except Exception:  # metrics must never take the server down
                 logger.exception("A stats callback failed")
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():
             stream.fail(EngineRequestError(f"The engine stopped: {error}"))
+
+
+def _sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """All replicas as one engine: counts and counters add up, KV usage is the mean."""
+    return SchedulerStats(
+        num_running=sum(s.num_running for s in stats),
+        num_waiting=sum(s.num_waiting for s in stats),
+        kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+        num_preemptions=sum(s.num_preemptions for s in stats),
+    )

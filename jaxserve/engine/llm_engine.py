@@ -32,6 +32,7 @@ from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler_output import MAX_BANNED_TOKENS, LogitsSpec, TopLogprobs
+from jaxserve.sharding import make_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +75,13 @@ def load_tokenizer(config: EngineConfig):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer=None):
+    def __init__(self, config: EngineConfig, tokenizer=None, devices=None):
+        """devices: the ones this engine's mesh spans (default: the first tensor_parallel_size)."""
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(
+            config, make_mesh(config.parallel_config.tensor_parallel_size, devices=devices)
+        )
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.runner.num_blocks)
         self._parents: dict[str, ParentRequest] = {}
         self._child_to_parent: dict[str, str] = {}

@@ -1,5 +1,6 @@
 """The server as users start it: a separate process from vLLM's module path, healthy after
-start-up, and on SIGTERM it lets a running stream finish and exits 0."""
+start-up, and on SIGTERM it lets a running stream finish and exits 0. With -dp 2 -tp 2 on 4
+(fake CPU) devices it answers concurrent requests as a single engine would."""
 
 from __future__ import annotations
 
@@ -23,29 +24,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def server_process(tiny_llama_gqa, tmp_path):
+def _start(model: str, log_path, *flags: str, devices: int = 1):
     port = _free_port()
     # fmt: off
     cmd = [
         sys.executable, "-m", "jaxserve.entrypoints.openai.api_server",
-        "--model", tiny_llama_gqa[0], "--served-model-name", "tiny",
+        "--model", model, "--served-model-name", "tiny",
         "--host", "127.0.0.1", "--port", str(port),
         "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--num-gpu-blocks-override", "64",
         "--block-size", "8", "--enforce-eager", "--no-use-tqdm-on-load",
         "--compilation-config", json.dumps({"cache_dir": TEST_XLA_CACHE}),
+        *flags,
     ]
     # fmt: on
-    log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"}
-    )
-    url = f"http://127.0.0.1:{port}/"
-    yield proc, url, log
+    log = open(log_path, "w+")
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    }
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return proc, f"http://127.0.0.1:{port}/", log
+
+
+def _stop(proc, log) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
     log.close()
+
+
+@pytest.fixture
+def server_process(tiny_llama_gqa, tmp_path):
+    proc, url, log = _start(tiny_llama_gqa[0], tmp_path / "server.log")
+    yield proc, url, log
+    _stop(proc, log)
 
 
 async def _wait_healthy(proc, url: str, log, timeout: float = 180.0) -> None:
@@ -91,3 +104,34 @@ async def test_sigterm_drains_running_requests_and_exits_0(server_process):
     with pytest.raises(aiohttp.ClientConnectionError):
         async with aiohttp.ClientSession() as session:
             await session.get(url + "health")
+
+
+async def test_two_replicas_of_two_devices_answer_like_one_engine(tiny_llama_gqa, tmp_path):
+    from tiny_models import engine_kwargs
+
+    from jaxserve import LLM, SamplingParams
+
+    prompts = [[5 + i, 17, 300, 42 + i, 9] * (1 + i % 3) for i in range(8)]
+    single = LLM(tiny_llama_gqa[0], **engine_kwargs()).generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )
+    proc, url, log = _start(tiny_llama_gqa[0], tmp_path / "dp.log", "-dp", "2", "-tp", "2", devices=4)
+    try:
+        await _wait_healthy(proc, url, log)
+
+        async def one(session, prompt):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            async with session.post(url + "v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                return (await r.json())["choices"][0]["text"]
+
+        async with aiohttp.ClientSession() as session:
+            texts = await asyncio.gather(*(one(session, p) for p in prompts))
+        assert texts == [o.outputs[0].text for o in single]
+        log.seek(0)
+        started = log.read()
+        assert "Data-parallel rank 1 of 2 on devices [2, 3]" in started, started[-2000:]
+    finally:
+        _stop(proc, log)

@@ -420,11 +420,9 @@ def run_server(engine_args, server_args: ServerArgs) -> int:
     SHUTDOWN_TIMEOUT_S to finish (the engine keeps stepping), the rest are aborted,
     and the process exits 0.
     """
-    from jaxserve.engine.llm_engine import LLMEngine
-
     configure_logging(server_args)
     ssl_ctx = ssl_context(server_args)  # a bad certificate should fail before the model loads
-    engine = AsyncLLMEngine(LLMEngine.from_engine_args(engine_args))
+    engine = AsyncLLMEngine.from_engine_args(engine_args)
     app = build_app(engine, server_args)
     if ssl_ctx is not None and server_args.enable_ssl_refresh:
         app.cleanup_ctx.append(_ssl_refresher(ssl_ctx, server_args))

@@ -1,0 +1,65 @@
+"""Which data-parallel replica serves a request (`-dp N`).
+
+Where it sits: inside AsyncLLMEngine, on the event loop. Each replica is a whole engine on
+its own group of devices with its own KV pool and prefix cache, so a request should go
+where its prompt's pages are already cached, unless that replica is much busier than the
+others. The router never reads a replica's scheduler (only the replica's own thread does):
+it keeps its own record of the prompt pages it sent to each replica, a bounded LRU of
+chained page hashes (the same chaining as the block manager's, so equal hashes mean equal
+prefixes), and counts the requests each replica has not finished yet.
+
+The rule: among the replicas whose load is within `slack` requests of the least loaded,
+take the one holding the longest prefix of the prompt; ties go to the fewer requests, then
+to the emptier KV cache (the replicas' last published usage).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class Router:
+    def __init__(self, num_replicas: int, block_size: int, capacity_blocks: int, slack: int):
+        self.block_size = block_size
+        self.capacity = capacity_blocks  # page hashes remembered per replica (its pool's size)
+        self.slack = slack
+        self.loads = [0] * num_replicas  # unfinished requests routed to each replica
+        self.kv_usage = [0.0] * num_replicas
+        self._pages: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
+
+    def _page_hashes(self, token_ids: Sequence[int]) -> list[int]:
+        out, parent, bs = [], None, self.block_size
+        for i in range(len(token_ids) // bs):
+            parent = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            out.append(parent)
+        return out
+
+    def cached_pages(self, replica: int, token_ids: Sequence[int]) -> int:
+        """Leading full pages of the prompt sent to this replica before (as far as the router knows)."""
+        return self._prefix_len(replica, self._page_hashes(token_ids))
+
+    def _prefix_len(self, replica: int, hashes: list[int]) -> int:
+        pages, n = self._pages[replica], 0
+        while n < len(hashes) and hashes[n] in pages:
+            n += 1
+        return n
+
+    def assign(self, token_ids: Sequence[int]) -> int:
+        least = min(self.loads)
+        near = [i for i, load in enumerate(self.loads) if load <= least + self.slack]
+        hashes = self._page_hashes(token_ids)
+        best = max(near, key=lambda i: (self._prefix_len(i, hashes), -self.loads[i], -self.kv_usage[i], -i))
+        self.loads[best] += 1
+        pages = self._pages[best]
+        # Most recently used last, and a prompt's first page the most recent of its pages:
+        # past capacity the oldest fall out, deepest pages first, so prefixes stay whole.
+        for h in reversed(hashes):
+            pages[h] = None
+            pages.move_to_end(h)
+        while len(pages) > self.capacity:
+            pages.popitem(last=False)
+        return best
+
+    def release(self, replica: int) -> None:
+        self.loads[replica] -= 1
