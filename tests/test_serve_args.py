@@ -169,6 +169,18 @@ def test_command_line_overrides_yaml_and_yaml_lists(parser, tmp_path):
     assert ns.rope_scaling == {"rope_type": "dynamic", "factor": 2.0}
 
 
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(CONFIGS) if f.endswith(".yaml")))
+def test_shipped_configs_parse_to_what_they_say(parser, name):
+    path = os.path.join(CONFIGS, name)
+    ns = parse_args(parser, ["serve", "--config", path, "some-model"])
+    with open(path, encoding="utf-8") as fh:
+        for key, value in yaml.safe_load(fh).items():
+            assert getattr(ns, key.replace("-", "_")) == value, key
+
+
 # ---- tiers: what starts, what is refused, what warns -----------------------------------------
 
 
