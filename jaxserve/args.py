@@ -453,10 +453,13 @@ class EngineArgs:
         _PARALLEL, None, "Data-parallel replicas on this host.", tier="B", short="-dpl"
     )
     data_parallel_address: str | None = arg(
-        _PARALLEL, None, "Address of the data-parallel head.", tier="B", short="-dpa"
+        _PARALLEL,
+        None,
+        "Host of process 0 (the coordinator) with --distributed-executor-backend jax.",
+        short="-dpa",
     )
     data_parallel_rpc_port: int | None = arg(
-        _PARALLEL, None, "Port of the data-parallel head.", tier="B", short="-dpp"
+        _PARALLEL, None, "Coordinator port with --distributed-executor-backend jax (13345).", short="-dpp"
     )
     data_parallel_backend: str = arg(
         _PARALLEL, "mp", "How data-parallel replicas run.", tier="B", short="-dpb", choices=("mp", "ray")
@@ -471,10 +474,18 @@ class EngineArgs:
     distributed_executor_backend: str | None = arg(
         _PARALLEL,
         None,
-        "How workers are launched.",
+        "How workers are launched; jax: one process per host, joined by jax.distributed.",
         tier="B",
-        choices=("ray", "mp", "uni", "external_launcher"),
-        supported=(None, "mp", "uni"),
+        choices=("ray", "mp", "uni", "external_launcher", "jax"),
+        supported=(None, "mp", "uni", "jax"),
+    )
+    # jaxserve's own: what jax.distributed.initialize needs besides the coordinator.
+    num_processes: int | None = arg(
+        _PARALLEL, None, "Processes (hosts) with --distributed-executor-backend jax."
+    )
+    process_id: int | None = arg(_PARALLEL, None, "This process's rank (0 serves HTTP) with the jax backend.")
+    distributed_timeout: float = arg(
+        _PARALLEL, 300.0, "Seconds to wait for every process to arrive (jax backend)."
     )
     # One process loads one tensor at a time, so any worker limit is met.
     max_parallel_loading_workers: int | None = arg(_PARALLEL, None, "Most weight-loading workers at once.")
@@ -597,6 +608,7 @@ class EngineArgs:
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0.")
         self._check_rope()
+        self._check_distributed()
         resolve_attention_backend(self.attention_backend, _platform())
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}.")
@@ -609,6 +621,28 @@ class EngineArgs:
             for line in warnings:
                 logger.warning(line)
             self._warned = True
+
+    def _check_distributed(self) -> None:
+        """Multi-process flags hang together; then join the other processes (before anything
+        touches a device: JAX requires it)."""
+        if self.distributed_executor_backend != "jax":
+            for name in ("data_parallel_address", "data_parallel_rpc_port", "num_processes", "process_id"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"--{name.replace('_', '-')} needs --distributed-executor-backend jax.")
+            return
+        if self.data_parallel_size > 1:
+            raise ValueError("--distributed-executor-backend jax serves one replica (-dp 1) for now.")
+        given = [self.data_parallel_address, self.num_processes, self.process_id]
+        if any(v is not None for v in given) and any(v is None for v in given):
+            raise ValueError(
+                "--distributed-executor-backend jax needs --data-parallel-address, --num-processes and "
+                "--process-id together (or none of them on a TPU VM, where JAX finds them)."
+            )
+        if self.num_processes is not None and not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"--process-id must be in [0, {self.num_processes}), got {self.process_id}.")
+        from jaxserve import distributed
+
+        distributed.initialize_from_args(self)
 
     def _check_rope(self) -> None:
         scaling = _as_dict(self.rope_scaling, "rope_scaling")

@@ -125,8 +125,8 @@ FLAGS = [
     ("--data-parallel-size", "A", 1, "2", 2),
     ("-dp", "A", 1, "2", 2),
     ("--data-parallel-size-local", "B", None, "1", 1),
-    ("--data-parallel-address", "B", None, "10.0.0.1", "10.0.0.1"),
-    ("--data-parallel-rpc-port", "B", None, "13345", 13345),
+    ("--data-parallel-address", "A", None, "10.0.0.1", "10.0.0.1"),
+    ("--data-parallel-rpc-port", "A", None, "13345", 13345),
     ("--data-parallel-backend", "B", "mp", "ray", "ray"),
     ("--data-parallel-start-rank", "B", None, "1", 1),
     ("--pipeline-parallel-size", "B", 1, "2", 2),
@@ -134,6 +134,9 @@ FLAGS = [
     ("--enable-expert-parallel", "B", False, True, True),
     ("--distributed-executor-backend", "B", None, "ray", "ray"),
     ("--max-parallel-loading-workers", "A", None, "2", 2),
+    ("--num-processes", "A", None, "2", 2),
+    ("--process-id", "A", None, "1", 1),
+    ("--distributed-timeout", "A", 300.0, "60", 60.0),
     ("--disable-custom-all-reduce", "C", False, True, True),
     ("--ray-workers-use-nsight", "C", False, True, True),
     ("--worker-cls", "C", "auto", "my.Worker", "my.Worker"),
@@ -226,6 +229,11 @@ NEEDS_SETUP = {
     "-tp",
     "--data-parallel-size",
     "-dp",
+    # the multi-process flags go together, with --distributed-executor-backend jax
+    "--data-parallel-address",
+    "--data-parallel-rpc-port",
+    "--num-processes",
+    "--process-id",
 }
 
 

@@ -444,3 +444,21 @@ def test_max_model_len_may_exceed_the_trained_length_only_with_rope_scaling(tmp_
         EngineArgs(model=model, rope_scaling=linear, max_model_len=513).create_engine_config()
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
     assert EngineArgs(model=model, rope_scaling=yarn).create_engine_config().model_config.max_model_len == 512
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num-processes", "2"], "--num-processes needs --distributed-executor-backend jax"),
+        (["--data-parallel-address", "10.0.0.1"], "--data-parallel-address needs --distributed-executor-backend jax"),
+        (["--distributed-executor-backend", "jax", "--num-processes", "2"], "together"),
+        (["--distributed-executor-backend", "jax", "--data-parallel-address", "h", "--num-processes", "2",
+          "--process-id", "2"], r"--process-id must be in \[0, 2\), got 2"),
+        (["--distributed-executor-backend", "jax", "-dp", "2"], "serves one replica"),
+    ],
+)  # fmt: skip
+def test_multi_process_flags_must_hang_together(served, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", *argv])
+    assert exc.value.code == 2 and re.search(message, _error_line(capsys))
+    assert served == []

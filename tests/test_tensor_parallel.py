@@ -15,14 +15,12 @@ import textwrap
 
 import pytest
 from reference_checks import check_greedy
-from tiny_models import TINY_LLAMA, engine_kwargs, make_checkpoint
+from tiny_models import TP_LLAMA, engine_kwargs, make_checkpoint
 
 from jaxserve.args import EngineArgs
 from jaxserve.config import ParallelConfig
 from jaxserve.loader.model_loader import build_model_args
 
-# 8 query heads (tp = 8 gives each device one), 2 KV heads (tp = 4 and 8 store copies).
-TP_LLAMA = {**TINY_LLAMA, "num_attention_heads": 8, "num_key_value_heads": 2}
 TP_MIXTRAL = {**TP_LLAMA, "num_local_experts": 8, "num_experts_per_tok": 2}
 
 SCRIPT = textwrap.dedent(

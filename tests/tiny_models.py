@@ -19,6 +19,9 @@ TINY_LLAMA = dict(
     eos_token_id=2,
 )
 
+# 8 query heads (tp = 8 gives each device one), 2 KV heads (tp = 4 and 8 store copies).
+TP_LLAMA = {**TINY_LLAMA, "num_attention_heads": 8, "num_key_value_heads": 2}
+
 LLAMA_VARIANTS = {
     "gqa": {},
     "tied": {"tie_word_embeddings": True, "num_key_value_heads": 4},

@@ -113,6 +113,13 @@ class ModelRunner:
         }
         self._init_slot = jax.jit(_init_slot, donate_argnums=0)
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        # Several processes (jax.distributed): process 0 publishes every call the others must
+        # replay (jaxserve/distributed.py); they run the same programs on their own devices.
+        self.channel = None
+        if jax.process_count() > 1 and jax.process_index() == 0:
+            from jaxserve.distributed import StepChannel
+
+            self.channel = StepChannel()
         if not config.compilation_config.enforce_eager:
             self.precompile()
 
@@ -209,6 +216,8 @@ class ModelRunner:
     def reset_kv_pool(self) -> None:
         """Rebuild the device state a failed step may have consumed: the KV pool, and the
         processor slots (the scheduler refills those as requests resume)."""
+        if self.channel is not None:
+            self.channel.publish("reset_kv_pool")
         self.kv_pool = allocate_kv_pool(self.kv_spec, self.num_blocks, self.mesh)
         self.processor_state = None
 
@@ -217,6 +226,8 @@ class ModelRunner:
         return len(self._compiled)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self.channel is not None:
+            self.channel.publish("execute", sched)
         bucket = self.buckets.pick(sched.num_tokens, len(sched.seqs))
         inputs = batch_lib.prepare(sched, *bucket, self.page_size, self.pages_per_seq, self.pad_slot)
         for s in sched.seqs:
@@ -235,7 +246,11 @@ class ModelRunner:
         )
         if variant[0]:
             self.processor_state = processors
-        out = jax.device_get(out)  # the one device->host copy
+        # the one device->host copy (several processes: from this process's own replica)
+        if self.mesh.is_multi_process:
+            out = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), out)
+        else:
+            out = jax.device_get(out)
         rows = [i for i, s in enumerate(sched.seqs) if s.sampling is not None]
         top = None
         if "top" in out:

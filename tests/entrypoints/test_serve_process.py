@@ -135,3 +135,78 @@ async def test_two_replicas_of_two_devices_answer_like_one_engine(tiny_llama_gqa
         assert "Data-parallel rank 1 of 2 on devices [2, 3]" in started, started[-2000:]
     finally:
         _stop(proc, log)
+
+
+# ---- several processes: one model over 2 x 4 fake CPU devices (jax.distributed, gloo) ----------
+
+
+@pytest.fixture(scope="module")
+def tp_llama(tmp_path_factory):
+    from tiny_models import TP_LLAMA, make_checkpoint
+
+    path = str(tmp_path_factory.mktemp("tp-llama-mh"))
+    make_checkpoint(path, "LlamaConfig", "LlamaForCausalLM", TP_LLAMA, "float32", 0)
+    return path
+
+
+def _multihost(model, tmp_path, processes=(0, 1), num_processes=2, timeout="60"):
+    port = str(_free_port())
+    started = {}
+    for rank in processes:
+        flags = ("-tp", "8", "--distributed-executor-backend", "jax", "--data-parallel-address", "127.0.0.1",
+                 "--data-parallel-rpc-port", port, "--num-processes", str(num_processes),
+                 "--process-id", str(rank), "--distributed-timeout", timeout,
+                 "--compilation-config", '{"cache_dir": ""}')  # fmt: skip
+        started[rank] = _start(model, tmp_path / f"p{rank}.log", *flags, devices=4)
+    return started
+
+
+async def test_two_processes_serve_one_model_like_one_process(tp_llama, tmp_path):
+    from tiny_models import engine_kwargs
+
+    from jaxserve import LLM, SamplingParams
+
+    prompts = [[5 + i, 17, 300, 42 + i, 9] * (1 + i % 3) for i in range(4)]
+    single = LLM(tp_llama, **engine_kwargs()).generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )
+    started = _multihost(tp_llama, tmp_path)
+    (p0, url, log0), (p1, _, _) = started[0], started[1]
+    try:
+        await _wait_healthy(p0, url, log0)
+
+        async def one(session, prompt):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            async with session.post(url + "v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                return (await r.json())["choices"][0]["text"]
+
+        async with aiohttp.ClientSession() as session:
+            texts = await asyncio.gather(*(one(session, p) for p in prompts))
+        assert texts == [o.outputs[0].text for o in single]
+
+        # the second process dies: the first says so and exits, instead of hanging
+        p1.kill()
+        p1.wait()
+        start = time.monotonic()
+        assert p0.wait(timeout=60) == 1
+        assert time.monotonic() - start < 30
+        log0.seek(0)
+        assert "jaxserve: error: process 1 stopped" in log0.read()
+    finally:
+        for proc, _, log in started.values():
+            _stop(proc, log)
+
+
+def test_a_process_that_never_arrives_is_named(tp_llama, tmp_path):
+    started = _multihost(tp_llama, tmp_path, processes=(0,), num_processes=3, timeout="3")
+    proc, _, log = started[0]
+    try:
+        assert proc.wait(timeout=60) == 1
+        log.seek(0)
+        lines = [line for line in log.read().splitlines() if line.startswith("jaxserve: error:")]
+        assert len(lines) == 1 and "Process(es) [1, 2] of 3 never arrived within 3 s" in lines[0], lines
+    finally:
+        _stop(proc, log)

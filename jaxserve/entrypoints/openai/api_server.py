@@ -422,6 +422,14 @@ def run_server(engine_args, server_args: ServerArgs) -> int:
     """
     configure_logging(server_args)
     ssl_ctx = ssl_context(server_args)  # a bad certificate should fail before the model loads
+    if engine_args.distributed_executor_backend == "jax":
+        import jax
+
+        from jaxserve import distributed
+
+        engine_args.validate()  # joins the other processes
+        if jax.process_index() != 0:  # no server here: replay process 0's steps
+            return distributed.run_worker(engine_args)
     engine = AsyncLLMEngine.from_engine_args(engine_args)
     app = build_app(engine, server_args)
     if ssl_ctx is not None and server_args.enable_ssl_refresh:
@@ -440,6 +448,12 @@ def run_server(engine_args, server_args: ServerArgs) -> int:
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         print=None,
     )
+    for replica in engine.replicas:  # the other processes, if any, stop with this one
+        if replica.engine.runner.channel is not None:
+            from jaxserve import distributed
+
+            distributed.closing()
+            replica.engine.runner.channel.publish("stop")
     return 0
 
 
