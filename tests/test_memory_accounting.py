@@ -24,6 +24,7 @@ GIB = 1 << 30
 def _mesh(in_use: list[int], limit: int = 16 * GIB):
     class Device:
         platform = "gpu"
+        process_index = 0
 
         def __init__(self, used):
             self.used = used
@@ -53,7 +54,7 @@ def test_no_room_left_is_a_clear_error():
 
 
 def test_cpu_uses_the_host_budget():
-    cpu = SimpleNamespace(platform="cpu", memory_stats=lambda: None)
+    cpu = SimpleNamespace(platform="cpu", process_index=0, memory_stats=lambda: None)
     mesh = SimpleNamespace(devices=np.array([cpu]), shape={"model": 1})
     blocks = num_blocks_for(SPEC, CacheConfig(cpu_kv_cache_gb=1.0), 10**9, mesh)
     assert blocks == GIB // SPEC.bytes_per_block

@@ -157,16 +157,24 @@ def test_each_device_holds_only_its_slice(tp_runs):
 
 
 @pytest.mark.parametrize(
-    "heads, kv_heads, tp, message",
+    "heads, kv_heads, vocab, tp, message",
     [
-        (4, 2, 3, r"Total number of attention heads \(4\) must be divisible by tensor_parallel_size \(3\)"),
-        (12, 4, 6, r"tensor_parallel_size \(6\) must be a multiple of the number of KV heads \(4\)"),
-        (12, 6, 4, r"Total number of KV heads \(6\) must be divisible by tensor_parallel_size \(4\)"),
+        (
+            4,
+            2,
+            768,
+            3,
+            r"Total number of attention heads \(4\) must be divisible by tensor_parallel_size \(3\)",
+        ),
+        (12, 4, 768, 6, r"tensor_parallel_size \(6\) must be a multiple of the number of KV heads \(4\)"),
+        (12, 6, 512, 4, r"Total number of KV heads \(6\) must be divisible by tensor_parallel_size \(4\)"),
+        (4, 2, 510, 4, r"vocab_size \(510\) must be divisible by tensor_parallel_size \(4\)"),
     ],
 )
-def test_head_counts_that_do_not_split_are_refused(tiny_llama_gqa, heads, kv_heads, tp, message):
+def test_shapes_that_do_not_split_are_refused(tiny_llama_gqa, heads, kv_heads, vocab, tp, message):
     config = EngineArgs(model=tiny_llama_gqa[0], **engine_kwargs()).create_engine_config()
     hf = {**config.model_config.hf_config, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    hf["vocab_size"] = vocab
     hf["head_dim"] = 8
     model_config = dataclasses.replace(config.model_config, hf_config=hf)
     with pytest.raises(ValueError, match=message):

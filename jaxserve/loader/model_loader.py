@@ -35,6 +35,11 @@ def build_model_args(model_config: ModelConfig, parallel: ParallelConfig | None 
                 f"tensor_parallel_size={tp}."
             )
         args = dataclasses.replace(args, moe=dataclasses.replace(moe, expert_parallel=True))
+    if args.vocab_size % tp:
+        raise ValueError(
+            f"vocab_size ({args.vocab_size}) must be divisible by tensor_parallel_size ({tp}): the "
+            "embedding and the LM head are split by vocabulary rows (padding is not implemented)."
+        )
     if args.num_heads % tp:
         raise ValueError(
             f"Total number of attention heads ({args.num_heads}) must be divisible by "

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.config import CacheConfig
@@ -46,7 +47,7 @@ def num_blocks_for(spec: KVCacheSpec, cache: CacheConfig, max_useful_blocks: int
     could ever use."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
-    devices = mesh.devices.flat
+    devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]  # this host's
     stats = [d.memory_stats() if d.platform != "cpu" else None for d in devices]
     if all(s and "bytes_limit" in s for s in stats):
         free = min(s["bytes_limit"] * cache.gpu_memory_utilization - s.get("bytes_in_use", 0) for s in stats)
@@ -56,6 +57,10 @@ def num_blocks_for(spec: KVCacheSpec, cache: CacheConfig, max_useful_blocks: int
         free, per_block = cache.cpu_kv_cache_gb * (1 << 30), spec.bytes_per_block
         where = f"--cpu-kv-cache-gb={cache.cpu_kv_cache_gb}"
     blocks = min(int(free // per_block), max_useful_blocks)
+    if jax.process_count() > 1:  # every process must build the same pool: the fullest host decides
+        from jax.experimental import multihost_utils
+
+        blocks = int(multihost_utils.process_allgather(np.int64(blocks)).min())
     if blocks < 2:
         raise ValueError(
             f"No memory left for the KV cache ({where}); raise --gpu-memory-utilization, "
