@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 from reference_checks import check_greedy
-from tiny_models import TP_LLAMA, engine_kwargs, make_checkpoint
+from tiny_models import TP_LLAMA, engine_kwargs, make_checkpoint, run_on_fake_devices
 
 from jaxserve.args import EngineArgs
 from jaxserve.config import ParallelConfig
@@ -79,22 +76,8 @@ PROMPTS = [[5, 17, 300, 42, 9], list(range(20, 51)), [7]]
 
 
 def _run(path: str, expert_parallel: bool) -> dict:
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, path, json.dumps(PROMPTS), "ep" if expert_parallel else "-"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_on_fake_devices(SCRIPT, path, json.dumps(PROMPTS), "ep" if expert_parallel else "-")
+    report = json.loads(out.strip().splitlines()[-1])
     return {int(k) if k.isdigit() else k: r for k, r in report.items()}
 
 

@@ -4,6 +4,8 @@ reference), and engine arguments sized for a 2-core CPU."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 
 TINY_LLAMA = dict(
@@ -191,3 +193,22 @@ def engine_kwargs(**overrides):
     budget = kw["max_num_batched_tokens"]
     kw.setdefault("compilation_config", {"cache_dir": "", "token_buckets": sorted({min(8, budget), budget})})
     return kw
+
+
+def run_on_fake_devices(script: str, *args: str, devices: int = 8, timeout: float = 600) -> str:
+    """`python -c script args` in a fresh process with `devices` fake CPU devices (the count is
+    fixed when JAX starts) and this folder importable; its stdout, or the test fails with its
+    stderr."""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join(
+            [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout

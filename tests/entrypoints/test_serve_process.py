@@ -106,30 +106,40 @@ async def test_sigterm_drains_running_requests_and_exits_0(server_process):
             await session.get(url + "health")
 
 
-async def test_two_replicas_of_two_devices_answer_like_one_engine(tiny_llama_gqa, tmp_path):
+def _offline_texts(model: str, prompts: list[list[int]]) -> list[str]:
+    """12 greedy tokens per prompt from one engine in this process (one CPU device)."""
     from tiny_models import engine_kwargs
 
     from jaxserve import LLM, SamplingParams
 
-    prompts = [[5 + i, 17, 300, 42 + i, 9] * (1 + i % 3) for i in range(8)]
-    single = LLM(tiny_llama_gqa[0], **engine_kwargs()).generate(
+    outs = LLM(model, **engine_kwargs()).generate(
         [{"prompt_token_ids": p} for p in prompts],
         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
         use_tqdm=False,
     )
+    return [o.outputs[0].text for o in outs]
+
+
+async def _served_texts(url: str, prompts: list[list[int]]) -> list[str]:
+    """The same, asked of a server all at once."""
+
+    async def one(session, prompt):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        async with session.post(url + "v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            return (await r.json())["choices"][0]["text"]
+
+    async with aiohttp.ClientSession() as session:
+        return list(await asyncio.gather(*(one(session, p) for p in prompts)))
+
+
+async def test_two_replicas_of_two_devices_answer_like_one_engine(tiny_llama_gqa, tmp_path):
+    prompts = [[5 + i, 17, 300, 42 + i, 9] * (1 + i % 3) for i in range(8)]
+    single = _offline_texts(tiny_llama_gqa[0], prompts)
     proc, url, log = _start(tiny_llama_gqa[0], tmp_path / "dp.log", "-dp", "2", "-tp", "2", devices=4)
     try:
         await _wait_healthy(proc, url, log)
-
-        async def one(session, prompt):
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-            async with session.post(url + "v1/completions", json=body) as r:
-                assert r.status == 200, await r.text()
-                return (await r.json())["choices"][0]["text"]
-
-        async with aiohttp.ClientSession() as session:
-            texts = await asyncio.gather(*(one(session, p) for p in prompts))
-        assert texts == [o.outputs[0].text for o in single]
+        assert await _served_texts(url, prompts) == single
         log.seek(0)
         started = log.read()
         assert "Data-parallel rank 1 of 2 on devices [2, 3]" in started, started[-2000:]
@@ -162,30 +172,13 @@ def _multihost(model, tmp_path, processes=(0, 1), num_processes=2, timeout="60")
 
 
 async def test_two_processes_serve_one_model_like_one_process(tp_llama, tmp_path):
-    from tiny_models import engine_kwargs
-
-    from jaxserve import LLM, SamplingParams
-
     prompts = [[5 + i, 17, 300, 42 + i, 9] * (1 + i % 3) for i in range(4)]
-    single = LLM(tp_llama, **engine_kwargs()).generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-        use_tqdm=False,
-    )
+    single = _offline_texts(tp_llama, prompts)
     started = _multihost(tp_llama, tmp_path)
     (p0, url, log0), (p1, _, _) = started[0], started[1]
     try:
         await _wait_healthy(p0, url, log0)
-
-        async def one(session, prompt):
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-            async with session.post(url + "v1/completions", json=body) as r:
-                assert r.status == 200, await r.text()
-                return (await r.json())["choices"][0]["text"]
-
-        async with aiohttp.ClientSession() as session:
-            texts = await asyncio.gather(*(one(session, p) for p in prompts))
-        assert texts == [o.outputs[0].text for o in single]
+        assert await _served_texts(url, prompts) == single
 
         # the second process dies: the first says so and exits, instead of hanging
         p1.kill()

@@ -5,15 +5,13 @@ parallelism on an 8-device CPU mesh against the unsplit block."""
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_models import run_on_fake_devices
 
 from jaxserve.layers.moe import MoEArgs, moe_mlp, route
 
@@ -61,7 +59,7 @@ EXPERT_PARALLEL_SCRIPT = textwrap.dedent(
     """
     import jax, numpy as np
     from jax.sharding import PartitionSpec
-    from test_moe import HIDDEN as H, INTERMEDIATE as I, dense_moe, make_inputs
+    from layers.test_moe import HIDDEN as H, INTERMEDIATE as I, dense_moe, make_inputs
     from jaxserve.layers.moe import MoEArgs, moe_mlp
     from jaxserve.sharding import make_mesh, named_sharding
 
@@ -92,14 +90,5 @@ EXPERT_PARALLEL_SCRIPT = textwrap.dedent(
 
 def test_expert_parallel_matches_unsplit_on_8_devices():
     """A fresh process: the device count is fixed when JAX starts, and this one has 1 device."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", EXPERT_PARALLEL_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    out = run_on_fake_devices(EXPERT_PARALLEL_SCRIPT, timeout=300)
+    assert out.strip().endswith("ok")

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -18,7 +16,7 @@ from reference_checks import (
     assert_logits_match_at_every_position,
     check_greedy,
 )
-from tiny_models import engine_kwargs, make_checkpoint
+from tiny_models import engine_kwargs, make_checkpoint, run_on_fake_devices
 
 from jaxserve.args import EngineArgs
 from jaxserve.config import ParallelConfig
@@ -125,22 +123,8 @@ def test_expert_parallel_engine_matches_transformers(tiny_moe):
     device count is fixed when JAX starts): greedy tokens are transformers' argmax."""
     path, model = tiny_moe
     prompts = [[5, 17, 300, 42, 9], list(range(20, 31))]
-    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", ENGINE_SCRIPT, path, json.dumps(prompts)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    generated = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_on_fake_devices(ENGINE_SCRIPT, path, json.dumps(prompts), timeout=400)
+    generated = json.loads(out.strip().splitlines()[-1])
     for prompt, tokens in zip(prompts, generated):
         compared, total = check_greedy(model, prompt, tokens)
         assert total == 8 and compared >= 6
