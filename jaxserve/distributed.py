@@ -190,19 +190,15 @@ class StepChannel:
             client.key_value_set_bytes(f"{_PREFIX}/{rank}/{self._next}", payload)
         self._next += 1
 
-    def receive(self, idle_timeout_s: float | None = None) -> tuple[str, tuple]:
-        """The next call from process 0; waits up to idle_timeout_s (None: forever)."""
+    def receive(self) -> tuple[str, tuple]:
+        """The next call from process 0, however long process 0 stays idle."""
         client, key = _client(), f"{_PREFIX}/{self.rank}/{self._next}"
-        waited = 0
         while True:
             try:
                 payload = client.blocking_key_value_get_bytes(key, self.timeout_ms)
                 break
-            except Exception as e:  # a timeout: process 0 is idle, or gone
-                waited += self.timeout_ms / 1000
-                if "DEADLINE_EXCEEDED" not in str(e) or (
-                    idle_timeout_s is not None and waited >= idle_timeout_s
-                ):
+            except Exception as e:  # a timeout means process 0 is idle: wait again
+                if "DEADLINE_EXCEEDED" not in str(e):
                     raise
         client.key_value_delete(key)
         self._next += 1

@@ -113,14 +113,9 @@ class AsyncLLMEngine:
 
         from jaxserve.engine.llm_engine import load_tokenizer
 
-        config = engine_args.create_engine_config()
+        config = engine_args.create_engine_config()  # checks that tp x dp devices are there
         tp, dp = config.parallel_config.tensor_parallel_size, config.parallel_config.data_parallel_size
         devices = jax.devices()
-        if tp * dp > len(devices):
-            raise ValueError(
-                f"data_parallel_size ({dp}) x tensor_parallel_size ({tp}) needs {tp * dp} devices; "
-                f"{len(devices)} are visible."
-            )
         tokenizer = load_tokenizer(config)
         engines = []
         for rank in range(dp):

@@ -169,14 +169,9 @@ def test_bad_files_raise_value_error_naming_the_file(bad_files, load):
 # ---------------------------------------------------------------- the real default model
 
 
-@pytest.fixture(scope="module")
-def reference_model(smollm2_reference):
-    return smollm2_reference
-
-
 @pytest.mark.slow
-def test_default_model_tensors_equal_transformers(default_gguf, reference_model):
-    reference = {name: t.numpy() for name, t in reference_model.state_dict().items()}
+def test_default_model_tensors_equal_transformers(default_gguf, smollm2_reference):
+    reference = {name: t.numpy() for name, t in smollm2_reference.state_dict().items()}
     seen = set()
     for name, weights in iter_gguf_tensors(default_gguf, use_tqdm=False):
         assert name in reference, name
@@ -190,9 +185,9 @@ def test_default_model_tensors_equal_transformers(default_gguf, reference_model)
 
 
 @pytest.mark.slow
-def test_default_model_config_agrees_with_transformers(default_gguf, reference_model):
+def test_default_model_config_agrees_with_transformers(default_gguf, smollm2_reference):
     config = read_gguf_config(default_gguf)
-    reference = reference_model.config
+    reference = smollm2_reference.config
     for key in (
         "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size",

@@ -24,11 +24,6 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_reference):
-    return smollm2_reference
-
-
-@pytest.fixture(scope="module")
 def prompts(llm):
     tok = llm.get_tokenizer()
     texts = [
@@ -45,19 +40,19 @@ def prompts(llm):
     return [tok.encode(t) for t in texts + [chat]]
 
 
-def test_logits_match_transformers(llm, hf_model, prompts):
+def test_logits_match_transformers(llm, smollm2_reference, prompts):
     runner = llm.llm_engine.runner
     for ids in prompts:
         ours = prompt_logits(runner, ids)
-        ref = teacher_forced_logits(hf_model, ids)
+        ref = teacher_forced_logits(smollm2_reference, ids)
         # 30 float32 layers accumulate in different orders in XLA and torch; logits here
         # span about +-30 and differ by up to ~2e-4 (measured), ~6e-6 of that scale.
         scale = np.abs(ref).max()
         np.testing.assert_allclose(ours, ref, atol=2e-5 * scale, rtol=0)
 
 
-def test_greedy_tokens_match_transformers(llm, hf_model, prompts):
-    assert_greedy_generation_matches(llm, hf_model, prompts)
+def test_greedy_tokens_match_transformers(llm, smollm2_reference, prompts):
+    assert_greedy_generation_matches(llm, smollm2_reference, prompts)
 
 
 def test_chat_answers_paris(llm):

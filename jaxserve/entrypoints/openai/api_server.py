@@ -427,7 +427,7 @@ def run_server(engine_args, server_args: ServerArgs) -> int:
 
         from jaxserve import distributed
 
-        engine_args.validate()  # joins the other processes
+        distributed.initialize_from_args(engine_args)  # joins the other processes
         if jax.process_index() != 0:  # no server here: replay process 0's steps
             return distributed.run_worker(engine_args)
     engine = AsyncLLMEngine.from_engine_args(engine_args)
@@ -448,12 +448,12 @@ def run_server(engine_args, server_args: ServerArgs) -> int:
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         print=None,
     )
-    for replica in engine.replicas:  # the other processes, if any, stop with this one
-        if replica.engine.runner.channel is not None:
-            from jaxserve import distributed
+    channel = engine.engine.runner.channel  # the other processes, if any, stop with this one
+    if channel is not None:
+        from jaxserve import distributed
 
-            distributed.closing()
-            replica.engine.runner.channel.publish("stop")
+        distributed.closing()
+        channel.publish("stop")
     return 0
 
 
