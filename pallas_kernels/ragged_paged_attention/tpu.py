@@ -31,6 +31,13 @@ Per item, the kernel walks KV blocks of `pages_per_block` pages (block_k = pages
 the last one (causality, the item's last token); blocks outside that range are never
 read. Pages of a block past the sequence's length are not copied.
 
+An item whose rows fit inside one aligned sub-tile of `_sub_rows` rows (the dtype's packed
+sublane tile, or the group if larger) computes on that sub-tile only: a decode is `group`
+rows, so with Llama-3-8B's heads in bfloat16 it works on 16 rows of a 128-row block, and
+its softmax and masks cost an eighth of the whole block's. The choice is made per item at
+run time; items that straddle sub-tiles (prefill chunks, or a decode whose group does not
+divide the sub-tile) use the whole block.
+
 ## Buffering
 
 kv_pages stays in HBM (memory_space ANY). For kv head h, page p of a block is one DMA of
@@ -110,6 +117,7 @@ def _kernel(
     pages_per_block: int,
     page_size: int,
     pages_per_seq: int,
+    sub_rows: int,
 ):
     h, w = pl.program_id(0), pl.program_id(1)
     max_items = pl.num_programs(1)
@@ -173,72 +181,100 @@ def _kernel(
 
         @pl.when(cur["kb_end"] > cur["kb_first"])
         def _():
-            m_ref[...] = jnp.full_like(m_ref, -jnp.inf)
-            l_ref[...] = jnp.zeros_like(l_ref)
-            acc_ref[...] = jnp.zeros_like(acc_ref)
-
             @pl.when(state_ref[1] == 0)
             def _():
                 copy_block(cur, cur["kb_first"], state_ref[0], "start")
 
             nxt = item(jnp.minimum(w + 1, max_items - 1))
             prefetch_next = (w + 1 < num_items) & (nxt["kb_end"] > nxt["kb_first"])
-            q = q_ref[...]  # [block_rows, head_dim]
-            precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+            blk_start = cur["blk"] * block_q
+            r_lo = (cur["t_lo"] - blk_start) * group  # the item's rows of the tile: [r_lo, r_hi)
+            r_hi = (cur["t_hi"] - blk_start) * group
 
-            def body(kb, slot):
-                copy_block(cur, kb, slot, "wait")
+            def attend(rows: int, row0):
+                """The item over tile rows [row0, row0 + rows) (row0 a multiple of rows)."""
+                tile = pl.ds(pl.multiple_of(row0, rows), rows)
+                m_ref[tile, :] = jnp.full((rows, LANES), -jnp.inf, jnp.float32)
+                l_ref[tile, :] = jnp.zeros((rows, LANES), jnp.float32)
+                acc_ref[tile, :] = jnp.zeros((rows, acc_ref.shape[1]), jnp.float32)
+                q = q_ref[tile, :]  # [rows, head_dim]
+                precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
-                @pl.when(kb + 1 < cur["kb_end"])
+                def body(kb, slot):
+                    copy_block(cur, kb, slot, "wait")
+
+                    @pl.when(kb + 1 < cur["kb_end"])
+                    def _():
+                        copy_block(cur, kb + 1, 1 - slot, "start")
+
+                    @pl.when((kb + 1 == cur["kb_end"]) & prefetch_next)
+                    def _():
+                        copy_block(nxt, nxt["kb_first"], 1 - slot, "start")
+
+                    # [pages_per_block, page_size, head_dim] -> [block_k, head_dim]
+                    k = kv_buf[slot, :, 0].reshape(block_k, q.shape[1])
+                    v = kv_buf[slot, :, 1].reshape(block_k, q.shape[1])
+                    nt = (((1,), (1,)), ((), ()))  # q @ k.T
+                    s = jax.lax.dot_general(
+                        q, k.astype(q.dtype), nt, preferred_element_type=jnp.float32, precision=precision
+                    )
+                    s = s * sm_scale  # [rows, block_k] float32
+                    if soft_cap is not None:
+                        s = soft_cap * jnp.tanh(s / soft_cap)
+                    # Tile row r holds token blk_start + r // group at position base + r // group;
+                    # with d = (key_pos - base) * group, the key is visible iff d <= r (causal)
+                    # and r - d < window * group (window), no division needed.
+                    row = row0 + jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 0)
+                    col = jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+                    d = (kb * block_k + col - cur["base"]) * group
+                    visible = d <= row
+                    if has_window:
+                        visible &= row - d < cur["window"] * group
+                    s = jnp.where(visible, s, MASK_VALUE)
+
+                    m_prev = m_ref[tile, :]  # [rows, 128]
+                    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+                    alpha = jnp.exp(m_prev - m_new)
+                    p = jnp.exp(s - m_new[:, :1])  # [rows, block_k]
+                    l_ref[tile, :] = alpha * l_ref[tile, :] + jnp.sum(p, axis=1, keepdims=True)
+                    pv = jax.lax.dot(
+                        p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=precision
+                    )  # [rows, head_dim]
+                    acc_ref[tile, :] = alpha[:, :1] * acc_ref[tile, :] + pv
+                    m_ref[tile, :] = m_new
+                    return 1 - slot
+
+                state_ref[0] = jax.lax.fori_loop(cur["kb_first"], cur["kb_end"], body, state_ref[0])
+                # Only this sequence's rows of the tile.
+                r = row0 + jax.lax.broadcasted_iota(jnp.int32, (rows, acc_ref.shape[1]), 0)
+                out = acc_ref[tile, :] / l_ref[tile, :][:, :1]
+                o_ref[tile, :] = jnp.where((r >= r_lo) & (r < r_hi), out.astype(o_ref.dtype), o_ref[tile, :])
+
+            if sub_rows < block_rows:
+                # An item whose rows fit in one aligned sub-tile (a decode: `group` rows; a short
+                # chunk) computes on that sub-tile only, not on the whole q block.
+                sub0 = r_lo // sub_rows * sub_rows
+                fits = r_hi <= sub0 + sub_rows
+
+                @pl.when(fits)
                 def _():
-                    copy_block(cur, kb + 1, 1 - slot, "start")
+                    attend(sub_rows, sub0)
 
-                @pl.when((kb + 1 == cur["kb_end"]) & prefetch_next)
+                @pl.when(jnp.logical_not(fits))
                 def _():
-                    copy_block(nxt, nxt["kb_first"], 1 - slot, "start")
+                    attend(block_rows, 0)
 
-                # [pages_per_block, page_size, head_dim] -> [block_k, head_dim]
-                k = kv_buf[slot, :, 0].reshape(block_k, q.shape[1])
-                v = kv_buf[slot, :, 1].reshape(block_k, q.shape[1])
-                nt = (((1,), (1,)), ((), ()))  # q @ k.T
-                s = jax.lax.dot_general(
-                    q, k.astype(q.dtype), nt, preferred_element_type=jnp.float32, precision=precision
-                )
-                s = s * sm_scale  # [block_rows, block_k] float32
-                if soft_cap is not None:
-                    s = soft_cap * jnp.tanh(s / soft_cap)
-                # Row r holds token blk_start + r // group at position base + r // group; with
-                # d = (key_pos - base) * group, the key is visible iff d <= r (causal) and
-                # r - d < window * group (window), no division needed.
-                row = jax.lax.broadcasted_iota(jnp.int32, (block_rows, block_k), 0)
-                col = jax.lax.broadcasted_iota(jnp.int32, (block_rows, block_k), 1)
-                d = (kb * block_k + col - cur["base"]) * group
-                visible = d <= row
-                if has_window:
-                    visible &= row - d < cur["window"] * group
-                s = jnp.where(visible, s, MASK_VALUE)
-
-                m_prev = m_ref[...]  # [block_rows, 128]
-                m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-                alpha = jnp.exp(m_prev - m_new)
-                p = jnp.exp(s - m_new[:, :1])  # [block_rows, block_k]
-                l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-                pv = jax.lax.dot(
-                    p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=precision
-                )  # [block_rows, head_dim]
-                acc_ref[...] = alpha[:, :1] * acc_ref[...] + pv
-                m_ref[...] = m_new
-                return 1 - slot
-
-            state_ref[0] = jax.lax.fori_loop(cur["kb_first"], cur["kb_end"], body, state_ref[0])
+            else:
+                attend(block_rows, 0)
             state_ref[1] = prefetch_next.astype(jnp.int32)
 
-            # Only this sequence's rows of the tile: [(t_lo - blk_start) * group, (t_hi - blk_start) * group).
-            r = jax.lax.broadcasted_iota(jnp.int32, acc_ref.shape, 0)
-            blk_start = cur["blk"] * block_q
-            mine = (r >= (cur["t_lo"] - blk_start) * group) & (r < (cur["t_hi"] - blk_start) * group)
-            out = acc_ref[...] / l_ref[...][:, :1]
-            o_ref[...] = jnp.where(mine, out.astype(o_ref.dtype), o_ref[...])
+
+def _sub_rows(group: int, dtype, block_rows: int) -> int:
+    """Rows of the sub-tile a short item computes on: a whole number of the dtype's packed
+    sublane tiles (8 rows of 32 bits) holding at least one token's `group` rows, or the
+    whole q block if that does not divide it."""
+    rows = max(8 * 4 // jnp.dtype(dtype).itemsize, 1 << (group - 1).bit_length())
+    return rows if block_rows % rows == 0 else block_rows
 
 
 def _work_items(cu_q_lens, num_seqs, num_q_blocks: int, block_q: int):
@@ -313,6 +349,7 @@ def ragged_paged_attention(
         pages_per_block=pages_per_block,
         page_size=page_size,
         pages_per_seq=pages_per_seq,
+        sub_rows=_sub_rows(group, q.dtype, block_rows),
     )
     q_block = pl.BlockSpec((None, block_rows, head_dim), lambda h, w, seq, blk, *_: (h, blk[w], 0))
     out = pl.pallas_call(

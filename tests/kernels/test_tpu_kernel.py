@@ -12,6 +12,7 @@ once."""
 from __future__ import annotations
 
 import functools
+import re
 import zlib
 
 import jax
@@ -258,3 +259,74 @@ def test_window_per_layer_in_a_scan():
     _, outs = jax.jit(lambda w: jax.lax.scan(layer, 0, w))(windows)
     for window, out in zip(np.asarray(windows), np.asarray(outs)):
         np.testing.assert_allclose(out, dense_expected(case, seqs, int(window)), **TOLERANCE[jnp.float32])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("mix", ["decode", "mixed"])
+def test_group_not_a_power_of_two(mix, dtype):
+    """Three q heads per kv head: a decode's rows [3t, 3t + 3) sometimes fit one aligned
+    sub-tile and sometimes straddle two, so one batch takes both the sub-tile and the
+    whole-block path."""
+    rng = np.random.default_rng(12)
+    seqs = MIXES[mix](16)
+    case = make_case(rng, seqs, 3, 64, 16, dtype)
+    _check(case, seqs, dtype, block_q=16, pages_per_block=1)
+
+
+@pytest.mark.parametrize(
+    "group, dtype, block_rows, rows",
+    [
+        (4, jnp.bfloat16, 128, 16),  # Llama-3-8B decode in bfloat16: 16 of 128 rows
+        (4, jnp.float32, 128, 8),
+        (1, jnp.float32, 128, 8),
+        (16, jnp.float32, 128, 16),  # one token's rows fill a whole sub-tile
+        (3, jnp.float32, 48, 8),
+        (1, jnp.bfloat16, 8, 8),  # a q block smaller than bfloat16's 16-row tile: no sub-tile
+        (8, jnp.bfloat16, 24, 24),
+    ],
+)
+def test_sub_tile_rows(group, dtype, block_rows, rows):
+    assert tpu._sub_rows(group, dtype, block_rows) == rows
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e", "v5p"])
+@pytest.mark.parametrize(
+    "group, head_dim, page, dtype, window, cap",
+    [
+        (4, 128, 16, jnp.bfloat16, None, None),
+        (1, 64, 32, jnp.float32, 100, 30.0),
+        (8, 128, 32, jnp.bfloat16, 64, None),
+    ],
+)
+def test_lowers_to_mosaic(monkeypatch, generation, group, head_dim, page, dtype, window, cap):
+    """The kernel lowers through Mosaic for a TPU target (every primitive has a Mosaic
+    lowering, block shapes are legal for the generation) and the Mosaic module verifies.
+    This is no compile for a TPU (libtpu does that): layouts are not checked here."""
+    from jax._src.pallas.mosaic import lowering, tpu_info
+
+    chip = tpu_info.ChipVersion(generation)
+    monkeypatch.setitem(tpu_info.registry, "cpu", lambda: tpu_info.get_tpu_info_for_chip(chip, 1))
+    modules = []
+    lower = lowering.lower_jaxpr_to_pipelined_module
+
+    def lower_and_keep(*args, **kwargs):
+        modules.append(lower(*args, **kwargs))
+        return modules[-1]
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_pipelined_module", lower_and_keep)
+    case = make_case(np.random.default_rng(0), MIXES["mixed"](page), group, head_dim, page, dtype)
+    window = None if window is None else jnp.int32(window)
+    fn = (
+        lambda *a: tpu.ragged_paged_attention(  # noqa: E731
+            *a[:-1], sm_scale=head_dim**-0.5, sliding_window=a[-1], soft_cap=cap
+        )
+    )
+    exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*case, window)
+    assert exported.mlir_module().count("tpu_custom_call") == 1
+    assert len(modules) == 1 and modules[0].operation.verify()
+    text = str(modules[0])
+    # Two attention paths: the matmuls run on the sub-tile's rows and on the whole block's.
+    block_rows = tpu._default_block_q(group) * group
+    lhs_rows = {int(m) for m in re.findall(r"tpu\.matmul .*: vector<(\d+)x", text)}
+    assert lhs_rows == {tpu._sub_rows(group, dtype, block_rows), block_rows}
+    assert "tpu.enqueue_dma" in text and "tpu.wait_dma" in text
