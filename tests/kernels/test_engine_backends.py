@@ -1,14 +1,20 @@
-"""The engine with a Pallas kernel (interpreted, as on CPU it must be) in place of the
-reference attention: the same greedy tokens on a tiny Llama, over a batch that mixes
-prefill chunks and decodes."""
+"""The engine with a Pallas kernel in place of the reference attention: interpreted (as on
+CPU it must be), the same greedy tokens on a tiny Llama over a batch that mixes prefill
+chunks and decodes; and the whole step lowered for TPU and GPU targets with the kernels."""
 
 from __future__ import annotations
 
+import functools
+import re
+
+import jax
 import numpy as np
 import pytest
-from tiny_models import engine_kwargs
+from test_tpu_kernel import target_tpu
+from tiny_models import engine_kwargs, make_family_checkpoint
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.layers.attention import use_backend
 
 
 @pytest.mark.slow
@@ -25,3 +31,25 @@ def test_greedy_tokens_equal_the_reference_backends(tiny_llama_gqa, backend):
     assert llm.llm_engine.config.compilation_config.attention_backend == backend.removeprefix("pallas-")
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+def test_step_lowers_for_tpu_and_gpu_with_the_kernels(tmp_path, monkeypatch):
+    """A Gemma-2 step in bfloat16 (soft cap, a window on every other layer passed through the
+    layer scan, the KV pool donated) exported for a TPU and a CUDA target: each kernel's
+    constraints hold for the shapes the engine really gives it. Lowering only: no compile."""
+    target_tpu(monkeypatch)
+    make_family_checkpoint(tmp_path, "gemma2")
+    runner = LLM(str(tmp_path), **engine_kwargs(block_size=16, dtype="bfloat16")).llm_engine.runner
+    inputs = jax.device_put(runner._dummy_inputs(64, 8), runner._replicated)
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    targets = (("tpu", "tpu", "@tpu_custom_call", 1), ("cuda", "gpu", "@__gpu$xla.gpu.triton", 2))
+    for platform, backend, kernel, launches in targets:
+        step = jax.jit(functools.partial(runner._step, variant=(False, False, False)), donate_argnums=(1,))
+        with jax.set_mesh(runner.mesh), use_backend(backend):
+            exported = jax.export.export(step, platforms=[platform], disabled_checks=[triton])(
+                runner.state, runner.kv_pool, None, inputs
+            )
+        # One attention call in the step (the layers are a scan over stacked weights): one
+        # Mosaic kernel on TPU, the decode and prefill launches on GPU; nothing else custom.
+        calls = re.findall(r"stablehlo.custom_call (@[^(]+)\(", exported.mlir_module())
+        assert calls == [kernel] * launches, platform

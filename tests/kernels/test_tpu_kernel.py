@@ -289,6 +289,15 @@ def test_sub_tile_rows(group, dtype, block_rows, rows):
     assert tpu._sub_rows(group, dtype, block_rows) == rows
 
 
+def target_tpu(monkeypatch, generation: str = "v5e") -> None:
+    """Let Pallas lower for a TPU of `generation` on this CPU (lowering asks the device
+    for its chip's facts)."""
+    from jax._src.pallas.mosaic import tpu_info
+
+    chip = tpu_info.ChipVersion(generation)
+    monkeypatch.setitem(tpu_info.registry, "cpu", lambda: tpu_info.get_tpu_info_for_chip(chip, 1))
+
+
 @pytest.mark.parametrize("generation", ["v5e", "v6e", "v5p"])
 @pytest.mark.parametrize(
     "group, head_dim, page, dtype, window, cap",
@@ -302,10 +311,9 @@ def test_lowers_to_mosaic(monkeypatch, generation, group, head_dim, page, dtype,
     """The kernel lowers through Mosaic for a TPU target (every primitive has a Mosaic
     lowering, block shapes are legal for the generation) and the Mosaic module verifies.
     This is no compile for a TPU (libtpu does that): layouts are not checked here."""
-    from jax._src.pallas.mosaic import lowering, tpu_info
+    from jax._src.pallas.mosaic import lowering
 
-    chip = tpu_info.ChipVersion(generation)
-    monkeypatch.setitem(tpu_info.registry, "cpu", lambda: tpu_info.get_tpu_info_for_chip(chip, 1))
+    target_tpu(monkeypatch, generation)
     modules = []
     lower = lowering.lower_jaxpr_to_pipelined_module
 
