@@ -30,7 +30,7 @@ from jaxserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from jaxserve.layers.attention import ATTENTION_BACKENDS, resolve_attention_backend
+from jaxserve.layers.attention import ATTENTION_BACKENDS, check_page_size, resolve_attention_backend
 from jaxserve.layers.rotary import ROPE_REQUIRED_KEYS, max_len_with_rope_scaling
 
 logger = logging.getLogger(__name__)
@@ -772,6 +772,8 @@ class EngineArgs:
             raise ValueError(
                 f"max_num_batched_tokens ({batched}) must be >= max_num_seqs ({self.max_num_seqs})."
             )
+        backend = resolve_attention_backend(self.attention_backend, _platform())
+        check_page_size(backend, self.block_size or 16, model_config.dtype)
         comp = _as_dict(self.compilation_config, "compilation_config")
         unknown = set(comp) - {"token_buckets", "seq_buckets", "cache_dir"}
         if unknown:
@@ -808,6 +810,6 @@ class EngineArgs:
                 seq_buckets=tuple(comp["seq_buckets"]) if "seq_buckets" in comp else None,
                 cache_dir=comp.get("cache_dir"),
                 min_token_bucket=1 if _platform() == "cpu" else 16,
-                attention_backend=resolve_attention_backend(self.attention_backend, _platform()),
+                attention_backend=backend,
             ),
         )

@@ -15,6 +15,7 @@ import functools
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention import reference
 from pallas_kernels.ragged_paged_attention.reference import write_kv
@@ -45,6 +46,31 @@ def resolve_attention_backend(requested: str, platform: str) -> str:
             )
         return kernel
     return requested.removeprefix("pallas-")
+
+
+def check_page_size(backend: str, page_size: int, dtype) -> None:
+    """ValueError (one line) for a --block-size the backend's kernel cannot tile."""
+    if backend.startswith("tpu"):
+        from pallas_kernels.ragged_paged_attention.tpu import sublane_rows
+
+        rows = sublane_rows(dtype)
+        if page_size % rows:
+            raise ValueError(
+                f"--block-size {page_size} does not suit the TPU attention kernel with "
+                f"{jnp.dtype(dtype).name} KV pages: it must be a multiple of {rows}."
+            )
+
+
+def pool_head_dim(backend: str, head_dim: int) -> int:
+    """head_dim of the KV pool: on TPU rounded up to whole 128-lane rows. A TPU lays out an
+    array's last dimension in tiles of 128 lanes, so a pool of head_dim 64 would take the
+    memory of 128 anyway; padding it in the shape makes the memory accounting true and hands
+    the kernel lane-dense tiles. GPUs and CPUs store head_dim as it is."""
+    if not backend.startswith("tpu"):
+        return head_dim
+    from pallas_kernels.ragged_paged_attention.tpu import LANES
+
+    return -(-head_dim // LANES) * LANES
 
 
 @contextlib.contextmanager
@@ -94,6 +120,10 @@ def paged_attention(
 ) -> tuple[jax.Array, jax.Array]:  # ([num_tokens, num_q_heads, head_dim], kv_pool)
     page_offset = layer * pages_per_layer
     page_size = kv_pool.shape[2]
+    head_dim = q.shape[-1]
+    if kv_pool.shape[-1] > head_dim:  # a padded pool (pool_head_dim): zeros change no score
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, kv_pool.shape[-1] - head_dim)))  # noqa: E731
+        q, k, v = pad(q), pad(k), pad(v)
     kv_pool = write_kv(kv_pool, k, v, meta.slot_mapping + page_offset * page_size)
     out = _kernel(_backend.get())(
         q,
@@ -106,4 +136,4 @@ def paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
-    return out, kv_pool
+    return out[..., :head_dim], kv_pool

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig, jaxserve_cache_dir
-from jaxserve.layers.attention import use_backend
+from jaxserve.layers.attention import pool_head_dim, use_backend
 from jaxserve.layers.sampler import ProcessorState, count_sampled, sample, top_logprobs
 from jaxserve.loader.model_loader import build_model_args, load_model
 from jaxserve.runner import batch as batch_lib
@@ -86,7 +86,7 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec(
             num_layers=self.args.num_layers,
             num_kv_heads=self.args.num_kv_heads,
-            head_dim=self.args.head_dim,
+            head_dim=pool_head_dim(config.compilation_config.attention_backend, self.args.head_dim),
             page_size=self.page_size,
             dtype=jnp.dtype(mc.dtype),
         )

@@ -62,7 +62,8 @@ finite negative value, and p is cast to the KV dtype for p @ v.
   relayout; block_k a multiple of 128 keeps the scores lane-dense (the default does for
   page sizes up to 256 when pages_per_seq allows).
 - block_q * group rows a multiple of 8 (16 for bfloat16, as the default block_q is).
-- head_dim: any; 128 (or a multiple) fills the lanes, 64 uses half of each vreg.
+- head_dim: any; 128 (or a multiple) fills the lanes. The engine pads a smaller head_dim
+  to 128 in its KV pool (a TPU would pad it in HBM anyway), see layers/attention.py.
 - The scalar prefetch sits in SMEM: the flattened page table (max_num_seqs * pages_per_seq
   int32) plus the work list must fit next to the kernel's own scalars.
 """
@@ -80,6 +81,12 @@ LANES = 128
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # masked scores: exp() of it is 0, no inf - inf
 TARGET_Q_ROWS = 128  # default block_q: about this many tile rows (tokens * group)
 TARGET_KV_TOKENS = 256  # default pages_per_block: about this many keys per KV block
+
+
+def sublane_rows(dtype) -> int:
+    """Rows of one packed sublane tile of `dtype` (8 rows of 32 bits: 16 for bfloat16): a
+    TPU stores the last two dimensions of an array in tiles of (sublane_rows, 128 lanes)."""
+    return 8 * 4 // jnp.dtype(dtype).itemsize
 
 
 def _default_block_q(group: int) -> int:
@@ -273,7 +280,7 @@ def _sub_rows(group: int, dtype, block_rows: int) -> int:
     """Rows of the sub-tile a short item computes on: a whole number of the dtype's packed
     sublane tiles (8 rows of 32 bits) holding at least one token's `group` rows, or the
     whole q block if that does not divide it."""
-    rows = max(8 * 4 // jnp.dtype(dtype).itemsize, 1 << (group - 1).bit_length())
+    rows = max(sublane_rows(dtype), 1 << (group - 1).bit_length())
     return rows if block_rows % rows == 0 else block_rows
 
 
@@ -321,6 +328,11 @@ def ragged_paged_attention(
     max_num_seqs, pages_per_seq = page_indices.shape
     if num_q_heads != group * num_kv_heads or combined != 2 * num_kv_heads:
         raise ValueError(f"{num_q_heads} q heads do not split evenly over {combined} // 2 kv heads")
+    if page_size % sublane_rows(kv_pages.dtype):
+        raise ValueError(
+            f"page size {page_size} must be a multiple of {sublane_rows(kv_pages.dtype)} for "
+            f"{jnp.dtype(kv_pages.dtype).name} pages (the TPU's packed sublane tile)"
+        )
     block_q = block_q or _default_block_q(group)
     if block_q * group % 8:
         raise ValueError(f"block_q * group = {block_q} * {group} rows must be a multiple of 8")

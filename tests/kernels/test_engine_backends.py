@@ -14,6 +14,7 @@ from test_tpu_kernel import target_tpu
 from tiny_models import engine_kwargs, make_family_checkpoint
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.args import EngineArgs
 from jaxserve.layers.attention import use_backend
 
 
@@ -31,6 +32,20 @@ def test_greedy_tokens_equal_the_reference_backends(tiny_llama_gqa, backend):
     assert llm.llm_engine.config.compilation_config.attention_backend == backend.removeprefix("pallas-")
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
+    # The TPU layout pads head_dim (16 here) to whole 128-lane rows; the GPU's keeps it.
+    runner = llm.llm_engine.runner
+    assert runner.kv_pool.shape[-1] == (128 if "tpu" in backend else runner.args.head_dim)
+    assert runner.kv_spec.bytes_per_block * runner.num_blocks == runner.kv_pool.nbytes
+
+
+def test_tpu_refuses_pages_it_cannot_tile(tiny_llama_gqa):
+    args = EngineArgs(
+        model=tiny_llama_gqa[0], attention_backend="pallas-tpu-interpret", dtype="bfloat16", block_size=8
+    )
+    with pytest.raises(ValueError, match=r"--block-size 8 .* bfloat16 .* multiple of 16"):
+        args.create_engine_config()
+    args.dtype = "float32"  # 8 rows of 32 bits fill a sublane tile
+    assert args.create_engine_config().cache_config.block_size == 8
 
 
 def test_step_lowers_for_tpu_and_gpu_with_the_kernels(tmp_path, monkeypatch):
@@ -39,11 +54,14 @@ def test_step_lowers_for_tpu_and_gpu_with_the_kernels(tmp_path, monkeypatch):
     constraints hold for the shapes the engine really gives it. Lowering only: no compile."""
     target_tpu(monkeypatch)
     make_family_checkpoint(tmp_path, "gemma2")
-    runner = LLM(str(tmp_path), **engine_kwargs(block_size=16, dtype="bfloat16")).llm_engine.runner
-    inputs = jax.device_put(runner._dummy_inputs(64, 8), runner._replicated)
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     targets = (("tpu", "tpu", "@tpu_custom_call", 1), ("cuda", "gpu", "@__gpu$xla.gpu.triton", 2))
     for platform, backend, kernel, launches in targets:
+        # The engine as it would be built there (the TPU's KV pool padded to 128 lanes), its
+        # step traced with the compiled kernel instead of the interpreted one.
+        kw = engine_kwargs(block_size=16, dtype="bfloat16", attention_backend=f"pallas-{backend}-interpret")
+        runner = LLM(str(tmp_path), **kw).llm_engine.runner
+        inputs = jax.device_put(runner._dummy_inputs(64, 8), runner._replicated)
         step = jax.jit(functools.partial(runner._step, variant=(False, False, False)), donate_argnums=(1,))
         with jax.set_mesh(runner.mesh), use_backend(backend):
             exported = jax.export.export(step, platforms=[platform], disabled_checks=[triton])(
