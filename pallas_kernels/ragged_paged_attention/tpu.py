@@ -79,8 +79,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 LANES = 128
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # masked scores: exp() of it is 0, no inf - inf
-TARGET_Q_ROWS = 128  # default block_q: about this many tile rows (tokens * group)
-TARGET_KV_TOKENS = 256  # default pages_per_block: about this many keys per KV block
+DEFAULT_MXU_WIDTH = 128  # where no TPU answers (interpret mode on another platform)
 
 
 def sublane_rows(dtype) -> int:
@@ -89,9 +88,17 @@ def sublane_rows(dtype) -> int:
     return 8 * 4 // jnp.dtype(dtype).itemsize
 
 
-def _default_block_q(group: int) -> int:
-    # A multiple of 16 tokens, so the tile rows are a multiple of bfloat16's 16-row packing.
-    return max(16, TARGET_Q_ROWS // group // 16 * 16)
+def default_blocks(group: int, page_size: int) -> tuple[int, int]:
+    """(block_q, pages_per_block) for this TPU generation: q tiles of about as many rows
+    (tokens * group) as its MXU is wide (128 on v4 and v5, 256 on v6e and later), so one
+    tile fills the systolic array, and KV blocks of about twice that many keys, so each
+    step's page copies are large enough to hide behind the previous block's compute."""
+    try:
+        mxu = pltpu.get_tpu_info().mxu_column_size
+    except ValueError:  # not a TPU
+        mxu = DEFAULT_MXU_WIDTH
+    # block_q: a multiple of 16 tokens, so the tile rows are a multiple of bfloat16's 16-row packing.
+    return max(16, mxu // group // 16 * 16), max(1, 2 * mxu // page_size)
 
 
 def _kernel(
@@ -317,8 +324,8 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
-    block_q: int | None = None,  # tokens per q block; default about 128 rows of tokens * group
-    pages_per_block: int | None = None,  # pages per KV block; default about 256 keys
+    block_q: int | None = None,  # tokens per q block; default: see default_blocks
+    pages_per_block: int | None = None,  # pages per KV block; default: see default_blocks
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim]
     num_tokens, num_q_heads, head_dim = q.shape
@@ -333,10 +340,11 @@ def ragged_paged_attention(
             f"page size {page_size} must be a multiple of {sublane_rows(kv_pages.dtype)} for "
             f"{jnp.dtype(kv_pages.dtype).name} pages (the TPU's packed sublane tile)"
         )
-    block_q = block_q or _default_block_q(group)
+    default_q, default_pages = default_blocks(group, page_size)
+    block_q = block_q or default_q
     if block_q * group % 8:
         raise ValueError(f"block_q * group = {block_q} * {group} rows must be a multiple of 8")
-    pages_per_block = min(pages_per_block or max(1, TARGET_KV_TOKENS // page_size), pages_per_seq)
+    pages_per_block = min(pages_per_block or default_pages, pages_per_seq)
     block_rows = block_q * group
     num_q_blocks = -(-num_tokens // block_q)
     padded_tokens = num_q_blocks * block_q

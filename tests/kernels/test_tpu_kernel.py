@@ -334,7 +334,7 @@ def test_lowers_to_mosaic(monkeypatch, generation, group, head_dim, page, dtype,
     assert len(modules) == 1 and modules[0].operation.verify()
     text = str(modules[0])
     # Two attention paths: the matmuls run on the sub-tile's rows and on the whole block's.
-    block_rows = tpu._default_block_q(group) * group
+    block_rows = tpu.default_blocks(group, page)[0] * group
     lhs_rows = {int(m) for m in re.findall(r"tpu\.matmul .*: vector<(\d+)x", text)}
     assert lhs_rows == {tpu._sub_rows(group, dtype, block_rows), block_rows}
     assert "tpu.enqueue_dma" in text and "tpu.wait_dma" in text
