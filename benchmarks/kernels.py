@@ -3,9 +3,10 @@ batch (decodes plus prefill chunks), for any backend of layers/attention.py.
 
 Reports the time per call, the KV bytes the call must read (every cached token of every
 sequence, keys and values of every KV head, once) per second, and that rate's share of the
-device's peak memory bandwidth (--peak-gbps, or known from the device kind). The default
-shapes are Llama-3-8B's attention (32 query heads, 8 KV heads, head_dim 128) over 64
-sequences of 2k context, in bfloat16.
+device's peak memory bandwidth (--peak-gbps, or known from the device kind; for a TPU
+missing from the table, Pallas' facts about the chip). The default shapes are Llama-3-8B's
+attention (32 query heads, 8 KV heads, head_dim 128) over 64 sequences of 2k context, in
+bfloat16.
 
     python benchmarks/kernels.py [--backend auto|reference|pallas|pallas-tpu-interpret|...]
         [--num-seqs 64] [--context-len 2048] [--output-json FILE]
@@ -116,6 +117,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     kernel = _kernel(backend)
     fn = jax.jit(lambda *a: kernel(*a, sm_scale=ns.head_dim**-0.5))
     peak = ns.peak_gbps or PEAK_GBPS.get(device.device_kind)
+    if peak is None and device.platform == "tpu":  # a TPU newer than the table: ask Pallas
+        from jax.experimental.pallas import tpu as pltpu
+
+        info = pltpu.get_tpu_info()
+        peak = info.mem_bw_bytes_per_second * info.num_cores / 1e9
     rng = np.random.default_rng(0)
     report = {
         "config": {**vars(ns), "device_kind": device.device_kind, "backend_traced": backend},
