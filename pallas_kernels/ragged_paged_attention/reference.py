@@ -13,7 +13,9 @@ kernel copies one tile per head and page, and a gather of a sequence's pages yie
 same shard when the head axis is split over a mesh, and one page holds both. The engine
 stacks the pages of all layers into one pool (layer l owns pages [l * pages_per_layer,
 (l+1) * pages_per_layer)) and offsets `page_indices` by layer, so this signature never
-sees layers.
+sees layers. On TPU the engine pads head_dim to a multiple of 128 lanes in the pool (a TPU
+tiles memory by 128 lanes anyway) and pads q, k and v to match, so every function here sees
+one head_dim.
 
 ## The ragged batch
 
