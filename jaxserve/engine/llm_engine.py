@@ -332,6 +332,10 @@ class LLMEngine:
                     self.scheduler.finish_requests(
                         req.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop
                     )
+                elif stop is not None and req.status == RequestStatus.FINISHED_LENGTH:
+                    # The token that reached max_tokens also completed a stop string: as in
+                    # vLLM, that is a stop (the request has already left the scheduler).
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
             self._record_token(stats, parent, req, now)
             changed[parent.request_id] = parent
         # best_of > n reports only at the end, when the best samples are known

@@ -152,6 +152,23 @@ def test_stop_strings_and_stop_tokens(tiny_llama_gqa, prompts):
         llm.llm_engine.scheduler.block_manager.num_free_blocks
         == llm.llm_engine.scheduler.block_manager.num_usable_blocks
     )
+    # A stop string completed by the last token max_tokens allows is a stop, not a length
+    # finish (vLLM's rule). The stop string: the text of the first n tokens but its first
+    # character, for the first n >= 3 whose last token adds text and whose string no shorter
+    # output holds.
+    tok = llm.get_tokenizer()
+    for n in range(3, len(ids) + 1):
+        head, before = tok.decode(ids[:n]), tok.decode(ids[: n - 1])
+        stop = head[1:]
+        if len(head) > len(before) and stop not in before:
+            break
+    else:
+        pytest.fail(f"no token ends a fresh string: {tok.decode(ids)!r}")
+    last = llm.generate(
+        {"prompt_token_ids": prompts[0]}, GREEDY.clone(max_tokens=n, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
+    assert last.token_ids == ids[:n] and last.text == head[: -len(stop)]
+    assert last.finish_reason == "stop" and last.stop_reason == stop
 
 
 def test_min_tokens_masks_stop_tokens(tiny_llama_gqa, prompts):
