@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 # Page 0 is never handed out: padded page-table entries on the device point at it, so
@@ -55,6 +55,22 @@ def _hash_sha256(parent: BlockHash | None, tokens: tuple[int, ...]) -> BlockHash
 
 
 _HASH_FNS = {"builtin": _hash_builtin, "sha256": _hash_sha256}
+
+
+def page_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    start: int = 0,
+    stop: int | None = None,
+    parent: BlockHash | None = None,
+    hash_fn=_hash_builtin,
+) -> Iterator[BlockHash]:
+    """Chained hashes of full pages start..stop-1 of token_ids (default: every full page),
+    `parent` being the hash of page start-1; lazy, so a lookup can stop at its first miss."""
+    stop = len(token_ids) // block_size if stop is None else stop
+    for i in range(start, stop):
+        parent = hash_fn(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
+        yield parent
 
 
 class BlockManager:
@@ -126,10 +142,8 @@ class BlockManager:
             return [], 0
         bs = self.block_size
         blocks: list[int] = []
-        parent: BlockHash | None = None
-        for i in range((len(token_ids) - 1) // bs):
-            parent = self._hash_fn(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
-            block = self._cached.get(parent)
+        for page_hash in page_hashes(token_ids, bs, stop=(len(token_ids) - 1) // bs, hash_fn=self._hash_fn):
+            block = self._cached.get(page_hash)
             if block is None:
                 break
             blocks.append(block)
@@ -186,17 +200,18 @@ class BlockManager:
             return
         table = self._tables[req_id]
         hashes = self._req_hashes[req_id]
-        bs = self.block_size
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), min(num_tokens // bs, len(table))):
-            parent = self._hash_fn(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
-            hashes.append(parent)
+        start, stop = len(hashes), min(num_tokens // self.block_size, len(table))
+        last = hashes[-1] if hashes else None
+        for i, page_hash in enumerate(
+            page_hashes(token_ids, self.block_size, start, stop, last, self._hash_fn), start
+        ):
+            hashes.append(page_hash)
             block = table[i]
             # If another page already holds this prefix (two requests computed it at the
             # same time), keep that one; this page stays anonymous and is evicted first.
-            if parent not in self._cached:
-                self._cached[parent] = block
-                self._block_hash[block] = parent
+            if page_hash not in self._cached:
+                self._cached[page_hash] = block
+                self._block_hash[block] = page_hash
 
     def free(self, req_id: str) -> None:
         """Drop the request's references; unknown ids are ignored.

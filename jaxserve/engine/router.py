@@ -5,7 +5,7 @@ its own group of devices with its own KV pool and prefix cache, so a request sho
 where its prompt's pages are already cached, unless that replica is much busier than the
 others. The router never reads a replica's scheduler (only the replica's own thread does):
 it keeps its own record of the prompt pages it sent to each replica, a bounded LRU of
-chained page hashes (the same chaining as the block manager's, so equal hashes mean equal
+chained page hashes (the block manager's `page_hashes`, so equal hashes mean equal
 prefixes), and counts the requests each replica has not finished yet.
 
 The rule: among the replicas whose load is within `slack` requests of the least loaded,
@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from jaxserve.engine.block_manager import page_hashes
+
 
 class Router:
     def __init__(self, num_replicas: int, block_size: int, capacity_blocks: int, slack: int):
@@ -28,16 +30,9 @@ class Router:
         self.kv_usage = [0.0] * num_replicas
         self._pages: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
 
-    def _page_hashes(self, token_ids: Sequence[int]) -> list[int]:
-        out, parent, bs = [], None, self.block_size
-        for i in range(len(token_ids) // bs):
-            parent = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
-            out.append(parent)
-        return out
-
     def cached_pages(self, replica: int, token_ids: Sequence[int]) -> int:
         """Leading full pages of the prompt sent to this replica before (as far as the router knows)."""
-        return self._prefix_len(replica, self._page_hashes(token_ids))
+        return self._prefix_len(replica, list(page_hashes(token_ids, self.block_size)))
 
     def _prefix_len(self, replica: int, hashes: list[int]) -> int:
         pages, n = self._pages[replica], 0
@@ -48,7 +43,7 @@ class Router:
     def assign(self, token_ids: Sequence[int]) -> int:
         least = min(self.loads)
         near = [i for i, load in enumerate(self.loads) if load <= least + self.slack]
-        hashes = self._page_hashes(token_ids)
+        hashes = list(page_hashes(token_ids, self.block_size))
         best = max(near, key=lambda i: (self._prefix_len(i, hashes), -self.loads[i], -self.kv_usage[i], -i))
         self.loads[best] += 1
         pages = self._pages[best]
