@@ -4,6 +4,12 @@
 schemas) load without initialising JAX.
 """
 
+import os
+
+# jaxserve uses transformers for tokenizers and chat templates only, never its torch models: its
+# "PyTorch was not found" advice at import would only puzzle a serving machine's user.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 from jaxserve.beam_search import BeamSearchParams
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams

@@ -165,7 +165,10 @@ def resolve_model_path(
     if model is None:
         from jaxserve.loader.default_model import default_model_path
 
-        return default_model_path()
+        try:
+            return default_model_path()
+        except RuntimeError as err:  # no network, say: the message says what to do instead
+            raise ValueError(str(err)) from err
     if os.path.exists(model):
         return model
     try:

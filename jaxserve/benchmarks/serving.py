@@ -204,7 +204,7 @@ def load_tokenizer(name: str):
             raise BenchmarkError(f"tokenizer: {err} Pass --tokenizer with a local path.", 2) from None
         try:
             path = resolve_model_path(None)
-        except RuntimeError as fetch_err:
+        except ValueError as fetch_err:
             raise BenchmarkError(f"tokenizer for {name}: {fetch_err}", 2) from None
     try:
         return get_tokenizer(path)

