@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-import jax
-
 from jaxserve.config import (
+    ATTENTION_BACKENDS,
     CacheConfig,
     CompilationConfig,
     EngineConfig,
@@ -30,8 +29,6 @@ from jaxserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from jaxserve.layers.attention import ATTENTION_BACKENDS, check_page_size, resolve_attention_backend
-from jaxserve.layers.rotary import ROPE_REQUIRED_KEYS, max_len_with_rope_scaling
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +151,8 @@ def _as_dict(value: Any, name: str) -> dict:
 
 
 def _platform() -> str:
+    import jax
+
     return jax.devices()[0].platform
 
 
@@ -612,6 +611,10 @@ class EngineArgs:
             raise ValueError("long_prefill_token_threshold must be >= 0.")
         self._check_rope()
         self._check_distributed()
+        import jax
+
+        from jaxserve.layers.attention import resolve_attention_backend
+
         resolve_attention_backend(self.attention_backend, _platform())
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}.")
@@ -653,6 +656,8 @@ class EngineArgs:
             raise ValueError(f"--rope-theta must be positive, got {self.rope_theta}.")
         if not scaling:
             return
+        from jaxserve.layers.rotary import ROPE_REQUIRED_KEYS
+
         rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
         if rope_type not in ROPE_REQUIRED_KEYS:
             raise ValueError(
@@ -724,6 +729,8 @@ class EngineArgs:
                 dtype = "bfloat16"
         else:
             dtype = DTYPES[self.dtype]
+        from jaxserve.layers.rotary import max_len_with_rope_scaling
+
         derived_len, source = max_len_with_rope_scaling(hf_config)
         window = hf_config.get("sliding_window")
         if self.disable_sliding_window and window and int(window) < derived_len:
@@ -775,6 +782,8 @@ class EngineArgs:
             raise ValueError(
                 f"max_num_batched_tokens ({batched}) must be >= max_num_seqs ({self.max_num_seqs})."
             )
+        from jaxserve.layers.attention import check_page_size, resolve_attention_backend
+
         backend = resolve_attention_backend(self.attention_backend, _platform())
         check_page_size(backend, self.block_size or 16, model_config.dtype)
         comp = _as_dict(self.compilation_config, "compilation_config")

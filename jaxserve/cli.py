@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.args import ANY, GROUPS, EngineArgs, field_default, flag_name, parse_model_len
-from jaxserve.distributed import DistributedError
 from jaxserve.entrypoints.openai.server_args import ServerArgs, validate_server_args
 from jaxserve.sampling_params import SamplingParams
 
@@ -551,8 +550,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         raise SystemExit(2) from None
-    except DistributedError as e:  # the flags were fine; another process was not there
-        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+    except RuntimeError as e:
+        from jaxserve.distributed import DistributedError  # imported here: --help must not load JAX
+
+        if not isinstance(e, DistributedError):
+            raise
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)  # the flags were fine; a process was not there
         return 1
     except KeyboardInterrupt:
         return 130

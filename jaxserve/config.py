@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+# --attention-backend values (kept here, free of JAX, so the command line loads without it)
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-tpu-interpret", "pallas-gpu-interpret")
+
 
 def jaxserve_cache_dir(*parts: str) -> str:
     """Where jaxserve keeps what it can rebuild: $XDG_CACHE_HOME/jaxserve (~/.cache/jaxserve)."""

@@ -272,3 +272,24 @@ def test_throughput_benchmark_times_sampling_costs(model_dir, tmp_path, capsys):
     assert costs["plain"]["ratio_to_plain"] == 1.0
     assert all(r["output_tokens_per_second"] > 0 and r["ratio_to_plain"] > 0 for r in costs.values())
     assert "x plain" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["serve", "--help"], ["generate", "--help"], ["bench", "serve", "--help"]]
+)
+def test_help_answers_without_loading_jax(argv):
+    """--help is what people run first and often: it must not pay JAX's start-up (over a second)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\nfrom jaxserve.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "loaded = sorted(m for m in ('jax', 'jaxlib', 'flax', 'transformers', 'torch') if m in sys.modules)\n"
+        "print('loaded:' + ','.join(loaded))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    help_text, loaded = done.stdout.rsplit("loaded:", 1)
+    assert "usage: jaxserve" in help_text
+    assert loaded.strip() == "", f"jaxserve {' '.join(argv)} imported {loaded}"

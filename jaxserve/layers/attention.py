@@ -17,11 +17,10 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxserve.config import ATTENTION_BACKENDS
 from pallas_kernels.ragged_paged_attention import reference
 from pallas_kernels.ragged_paged_attention.reference import write_kv
 
-# --attention-backend values
-ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-tpu-interpret", "pallas-gpu-interpret")
 _KERNEL_PLATFORMS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}
 
 _backend: contextvars.ContextVar[str] = contextvars.ContextVar("attention_backend", default="reference")
