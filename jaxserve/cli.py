@@ -555,7 +555,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if not isinstance(e, DistributedError):
             raise
-        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)  # the flags were fine; a process was not there
+        # the flags were fine; another process was not there
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
