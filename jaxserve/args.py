@@ -127,11 +127,19 @@ def check_flag_values(args: Any) -> list[str]:
 
 def parse_model_len(value: int | str | None) -> int | None:
     """vLLM's human-friendly lengths: 1k = 1000, 1K = 1024, 25.6k = 25600."""
+    return parse_human_int(value, "max_model_len", "a length (e.g. 2048, 1k, 1K, 25.6k)")
+
+
+def parse_human_int(
+    value: int | str | None, name: str, what: str = "a size (e.g. 1G, 512M, 1.5g)"
+) -> int | None:
+    """vLLM's human-readable integers: a lower-case suffix is decimal (1k = 1000), an upper-case
+    one binary (1K = 1024), up to g/G."""
     if value is None or isinstance(value, int):
         return value
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(value))
     if not m:
-        raise ValueError(f"max_model_len {value!r} is not a length (e.g. 2048, 1k, 1K, 25.6k).")
+        raise ValueError(f"{name} {value!r} is not {what}.")
     number, suffix = float(m.group(1)), m.group(2)
     scale = {"": 1, "k": 1000, "K": 1024, "m": 10**6, "M": 1 << 20, "g": 10**9, "G": 1 << 30}[suffix]
     return int(number * scale)
@@ -321,6 +329,12 @@ class EngineArgs:
     gpu_memory_utilization: float = arg(_CACHE, 0.9, "Share of accelerator memory for weights and KV pages.")
     num_gpu_blocks_override: int | None = arg(
         _CACHE, None, "Exact number of KV-cache pages (overrides the memory budget)."
+    )
+    kv_cache_memory_bytes: int | str | None = arg(
+        _CACHE,
+        None,
+        "KV-cache bytes per device, instead of what --gpu-memory-utilization leaves; accepts 1G, "
+        "512M, 1.5g. Unset on CPU = 1 GiB.",
     )
     # Only swap preemption would use this host budget, and it is refused: any size is honoured.
     swap_space: float = arg(_CACHE, 4, "GiB of host memory for preempted KV pages.", tier="B", supported=ANY)
@@ -603,6 +617,9 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        memory = parse_human_int(self.kv_cache_memory_bytes, "kv_cache_memory_bytes")
+        if memory is not None and memory <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError("num_gpu_blocks_override must be at least 2 (one page is reserved for padding).")
         if self.swap_space < 0:
@@ -796,6 +813,7 @@ class EngineArgs:
                 block_size=self.block_size or 16,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
+                kv_cache_memory_bytes=parse_human_int(self.kv_cache_memory_bytes, "kv_cache_memory_bytes"),
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefix_caching_hash_algo=self.prefix_caching_hash_algo,
                 swap_space=self.swap_space,

@@ -23,7 +23,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from jaxserve.args import ANY, GROUPS, EngineArgs, field_default, flag_name, parse_model_len
+from jaxserve.args import ANY, GROUPS, EngineArgs, field_default, flag_name, parse_human_int, parse_model_len
 from jaxserve.entrypoints.openai.server_args import ServerArgs, validate_server_args
 from jaxserve.sampling_params import SamplingParams
 
@@ -69,6 +69,13 @@ def _model_len(value: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _memory_bytes(value: str) -> int:
+    try:
+        return parse_human_int(value, "kv_cache_memory_bytes")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _json_value(value: str) -> Any:
     try:
         return json.loads(value)
@@ -108,6 +115,8 @@ def _flag_kwargs(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
         kw["type"] = item[0] if item and item[0] in (int, float) else str
     elif f.name == "max_model_len":
         kw["type"] = _model_len
+    elif f.name == "kv_cache_memory_bytes":
+        kw["type"] = _memory_bytes
     elif int in kinds:
         kw["type"] = int
     elif float in kinds:

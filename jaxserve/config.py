@@ -58,9 +58,15 @@ class CacheConfig:
     prefix_caching_hash_algo: str = "builtin"
     swap_space: float = 4.0
     kv_cache_dtype: str = "auto"
-    # Host memory the KV pool may take when the platform is the CPU (there is no device
-    # memory to measure there).
-    cpu_kv_cache_gb: float = 4.0
+    # Bytes of KV pool per device, instead of what gpu_memory_utilization leaves (vLLM's
+    # kv_cache_memory_bytes); None on the CPU = CPU_KV_CACHE_BYTES.
+    kv_cache_memory_bytes: int | None = None
+
+
+# The CPU's default KV pool (there is no device memory to measure there): 1 GiB holds 23k tokens
+# of SmolLM2, several full contexts. Every byte is zero-filled at start-up, and a fresh VM pays
+# for its first touch of host memory: 4 GiB cost 10-13 s of start-up on a 2-core VM.
+CPU_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)

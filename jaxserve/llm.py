@@ -27,6 +27,9 @@ class LLM:
                 "the offline LLM runs a single engine."
             )
         self.llm_engine = LLMEngine.from_engine_args(args)
+        # A batch job runs at full speed from its first step: every bucket before returning
+        # (the server instead starts answering while the larger ones compile).
+        self.llm_engine.runner.wait_compiled()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

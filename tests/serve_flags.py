@@ -101,6 +101,7 @@ FLAGS = [
     ("--swap-space", "B", 4, "8", 8.0),
     ("--cpu-offload-gb", "B", 0, "2", 2.0),
     ("--num-gpu-blocks-override", "A", None, "64", 64),
+    ("--kv-cache-memory-bytes", "A", None, "1G", 1 << 30),
     ("--enable-prefix-caching", "A", True, False, False),
     ("--prefix-caching-hash-algo", "A", "builtin", "sha256", "sha256"),
     ("--calculate-kv-scales", "B", False, True, True),

@@ -14,7 +14,7 @@ import pytest
 from tiny_models import engine_kwargs
 
 from jaxserve import LLM
-from jaxserve.config import CacheConfig
+from jaxserve.config import CPU_KV_CACHE_BYTES, CacheConfig
 from jaxserve.runner.kv_cache import KVCacheSpec, num_blocks_for
 
 SPEC = KVCacheSpec(num_layers=4, num_kv_heads=8, head_dim=128, page_size=16, dtype=jnp.bfloat16)
@@ -56,8 +56,18 @@ def test_no_room_left_is_a_clear_error():
 def test_cpu_uses_the_host_budget():
     cpu = SimpleNamespace(platform="cpu", process_index=0, memory_stats=lambda: None)
     mesh = SimpleNamespace(devices=np.array([cpu]), shape={"model": 1})
-    blocks = num_blocks_for(SPEC, CacheConfig(cpu_kv_cache_gb=1.0), 10**9, mesh)
-    assert blocks == GIB // SPEC.bytes_per_block
+    assert num_blocks_for(SPEC, CacheConfig(), 10**9, mesh) == CPU_KV_CACHE_BYTES // SPEC.bytes_per_block
+    blocks = num_blocks_for(SPEC, CacheConfig(kv_cache_memory_bytes=GIB // 4), 10**9, mesh)
+    assert blocks == GIB // 4 // SPEC.bytes_per_block
+
+
+def test_kv_cache_memory_bytes_overrides_the_utilization():
+    """vLLM's --kv-cache-memory-bytes: that many bytes of pool per device, whatever is free."""
+    mesh = _mesh([8 * GIB, 8 * GIB])
+    blocks = num_blocks_for(SPEC, CacheConfig(kv_cache_memory_bytes=GIB), 10**9, mesh)
+    assert blocks == GIB // (SPEC.bytes_per_block / 2)
+    with pytest.raises(ValueError, match="No memory left for the KV cache.*--kv-cache-memory-bytes=1000"):
+        num_blocks_for(SPEC, CacheConfig(kv_cache_memory_bytes=1000), 10**9, mesh)
 
 
 def test_start_up_log_gives_weights_kv_tokens_and_concurrency(tiny_llama_gqa, caplog):

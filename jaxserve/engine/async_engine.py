@@ -140,6 +140,8 @@ class AsyncLLMEngine:
 
     def shutdown(self) -> None:
         """Stop the threads after their current steps; requests still running are aborted."""
+        for r in self.replicas:  # start-up compiles still under way end after their current bucket
+            r.engine.runner.stop_compiling()
         if self.replicas[0].thread is None:
             return
         self._stopping = True

@@ -307,7 +307,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns a RequestOutput for every request that changed."""
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(max_tokens=self.runner.ready_token_budget)
         self.iteration_stats = stats = self._between_steps
         stats.num_scheduled_tokens = sched.num_tokens
         self._between_steps = IterationStats()

@@ -108,8 +108,10 @@ class Scheduler:
 
     # ---- schedule ------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+    def schedule(self, max_tokens: int | None = None) -> SchedulerOutput:
+        """max_tokens: a lower token budget for this step (the runner's largest compiled shape
+        while the rest still compile at start-up)."""
+        budget = min(self.config.max_num_batched_tokens, max_tokens or self.config.max_num_batched_tokens)
         num_new: dict[str, int] = {}  # request id -> tokens scheduled this step
         scheduled: list[Request] = []  # in the order the rows are laid out
         preempted = False

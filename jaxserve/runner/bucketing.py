@@ -10,6 +10,12 @@ By default each token bucket T has one sequence bucket, min(T, max_num_seqs): th
 padded that way cost only the LM head and the sampler, a few percent of a step, while a
 second sequence dimension would multiply start-up compilation. The compilation config
 can name both lists, and then every (T, S) pair with S <= T is compiled.
+
+Start-up compiles two token buckets before the engine serves: the smallest (decodes) and the
+one that takes a typical chat prompt in one step (FIRST_PREFILL_TOKENS). The others compile
+in the background, smallest first; until a bucket is ready the scheduler's token budget stays
+at the largest ready one, so a step never waits for a compile, and a long prompt is prefilled
+in smaller chunks meanwhile.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import bisect
 from dataclasses import dataclass
 
 from jaxserve.config import CompilationConfig, SchedulerConfig
+
+FIRST_PREFILL_TOKENS = 128
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:
@@ -60,3 +68,17 @@ class Buckets:
         if self.coupled:
             return [(t, min(t, self.seqs[-1])) for t in self.tokens]
         return sorted({(t, min(s, t)) for t in self.tokens for s in self.seqs})
+
+    def of_tokens(self, token_bucket: int) -> list[tuple[int, int]]:
+        """The (T, S) buckets of one token bucket T."""
+        return [bucket for bucket in self.all() if bucket[0] == token_bucket]
+
+    def startup_order(self) -> tuple[list[int], list[int]]:
+        """(token buckets to compile before serving, the rest in the order to compile them)."""
+        prefill = next((t for t in self.tokens if t >= FIRST_PREFILL_TOKENS), self.tokens[-1])
+        first = sorted({self.tokens[0], prefill})
+        return first, [t for t in self.tokens if t not in first]
+
+    def subset(self, token_buckets) -> Buckets:
+        """These buckets restricted to some of their token buckets (the ones compiled so far)."""
+        return Buckets(tuple(sorted(token_buckets)), self.seqs, coupled=self.coupled)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxserve.config import CacheConfig
+from jaxserve.config import CPU_KV_CACHE_BYTES, CacheConfig
 from jaxserve.sharding import named_sharding
 
 logger = logging.getLogger(__name__)
@@ -40,22 +40,25 @@ class KVCacheSpec:
 
 
 def num_blocks_for(spec: KVCacheSpec, cache: CacheConfig, max_useful_blocks: int, mesh: Mesh) -> int:
-    """How many blocks fit: exactly --num-gpu-blocks-override when given; else what
-    --gpu-memory-utilization leaves on the fullest device once the weights are there (each
-    device holds 1/tp of every block: the pool is split by KV head), on CPU a fixed host
-    budget (--cpu-kv-cache-gb); capped at what max_num_seqs sequences of max_model_len
-    could ever use."""
+    """How many blocks fit: exactly --num-gpu-blocks-override when given; else
+    --kv-cache-memory-bytes per device, or what --gpu-memory-utilization leaves on the fullest
+    device once the weights are there (each device holds 1/tp of every block: the pool is split
+    by KV head), on CPU a fixed host budget (CPU_KV_CACHE_BYTES); capped at what max_num_seqs
+    sequences of max_model_len could ever use."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]  # this host's
     stats = [d.memory_stats() if d.platform != "cpu" else None for d in devices]
-    if all(s and "bytes_limit" in s for s in stats):
+    per_block = spec.bytes_per_block / mesh.shape["model"]
+    if cache.kv_cache_memory_bytes is not None:
+        free = cache.kv_cache_memory_bytes
+        where = f"--kv-cache-memory-bytes={free}"
+    elif all(s and "bytes_limit" in s for s in stats):
         free = min(s["bytes_limit"] * cache.gpu_memory_utilization - s.get("bytes_in_use", 0) for s in stats)
-        per_block = spec.bytes_per_block / mesh.shape["model"]
         where = f"{free / 2**30:.2f} GiB per device after weights"
     else:
-        free, per_block = cache.cpu_kv_cache_gb * (1 << 30), spec.bytes_per_block
-        where = f"--cpu-kv-cache-gb={cache.cpu_kv_cache_gb}"
+        free = CPU_KV_CACHE_BYTES
+        where = f"the CPU's default of {free / 2**30:g} GiB; set --kv-cache-memory-bytes"
     blocks = min(int(free // per_block), max_useful_blocks)
     if jax.process_count() > 1:  # every process must build the same pool: the fullest host decides
         from jax.experimental import multihost_utils

@@ -18,6 +18,7 @@ import collections
 import functools
 import itertools
 import logging
+import threading
 import time
 
 import jax
@@ -53,6 +54,15 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
 # and shapes (several LLM objects in a notebook, a test suite) compiles nothing. Oldest out.
 _SHARED_STEPS: collections.OrderedDict = collections.OrderedDict()
 _MAX_SHARED_STEPS = 256
+_SHARED_STEPS_LOCK = threading.Lock()  # start-up compiles in a background thread too
+
+
+def _abstract(tree, sharding=None):
+    """Shapes, dtypes and shardings only: what lowering needs, safe to read from another thread
+    while the engine donates the real arrays."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding), tree
+    )
 
 
 def bytes_per_device(tree) -> dict:
@@ -113,6 +123,13 @@ class ModelRunner:
         }
         self._init_slot = jax.jit(_init_slot, donate_argnums=0)
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        self._abstract_state, self._abstract_pool = _abstract(self.state), _abstract(self.kv_pool)
+        # The buckets a step may use: all of them when compiled on demand (enforce_eager), else
+        # the ones compiled so far (precompile widens it as the background compiles finish).
+        self.ready_buckets = self.buckets
+        self._compiler: threading.Thread | None = None
+        self._compile_error: BaseException | None = None
+        self._stop_compiling = threading.Event()
         # Several processes (jax.distributed): process 0 publishes every call the others must
         # replay (jaxserve/distributed.py); they run the same programs on their own devices.
         self.channel = None
@@ -153,10 +170,10 @@ class ModelRunner:
     def _compile(self, bucket: tuple[int, int], variant=(False, False, False)) -> jax.stages.Compiled:
         compiled = self._compiled.get((bucket, variant))
         if compiled is None:
-            inputs = jax.device_put(self._dummy_inputs(*bucket), self._replicated)
-            processors = self._processor_state() if variant[0] else None
+            inputs = _abstract(self._dummy_inputs(*bucket), self._replicated)
+            processors = _abstract(self._processor_state()) if variant[0] else None
             backend = self.config.compilation_config.attention_backend
-            args = (self.state, self.kv_pool, processors, inputs)
+            args = (self._abstract_state, self._abstract_pool, processors, inputs)
             # The step is a function of the graph, the variant, the top-k width and the
             # attention backend; the arrays' shapes, dtypes and shardings settle the rest.
             key = (self.graphdef, variant, self.num_top_logprobs, backend, jax.tree.structure(args),
@@ -166,9 +183,10 @@ class ModelRunner:
                 # layers that split work by hand (MoE experts) read the mesh; attention its backend
                 with jax.set_mesh(self.mesh), use_backend(backend):
                     compiled = self._jitted[variant].lower(*args).compile()
-                _SHARED_STEPS[key] = compiled
-                while len(_SHARED_STEPS) > _MAX_SHARED_STEPS:
-                    _SHARED_STEPS.popitem(last=False)
+                with _SHARED_STEPS_LOCK:
+                    _SHARED_STEPS[key] = compiled
+                    while len(_SHARED_STEPS) > _MAX_SHARED_STEPS:
+                        _SHARED_STEPS.popitem(last=False)
             self._compiled[(bucket, variant)] = compiled
         return compiled
 
@@ -202,11 +220,64 @@ class ModelRunner:
         )
 
     def precompile(self) -> None:
+        """Compile the buckets a first request needs now and the rest in a background thread
+        (bucketing.Buckets.startup_order); ready_buckets grows as they finish. Several processes
+        must run the same programs step by step, so they compile everything first."""
         start = time.perf_counter()
-        buckets = self.buckets.all()
+        first, rest = self.buckets.startup_order()
+        if jax.process_count() > 1:
+            first, rest = first + rest, []
+        buckets = [b for t in first for b in self.buckets.of_tokens(t)]
         for bucket in tqdm(buckets, desc="Compiling step buckets", disable=None):
             self._compile(bucket)
-        logger.info("Compiled %d step buckets in %.1f s", len(buckets), time.perf_counter() - start)
+        self.ready_buckets = self.buckets.subset(first)
+        logger.info(
+            "Compiled %d step buckets in %.1f s; %d more compile in the background",
+            len(buckets), time.perf_counter() - start, len(self.buckets.all()) - len(buckets),
+        )  # fmt: skip
+        if rest:
+            # Not a daemon: killing a thread inside XLA's compiler at exit aborts the process.
+            self._compiler = threading.Thread(
+                target=self._compile_rest, args=(first, rest, start), name="jaxserve-compile"
+            )
+            self._compiler.start()
+
+    def _compile_rest(self, ready: list[int], rest: list[int], start: float) -> None:
+        try:
+            for token_bucket in rest:
+                if self._stop_compiling.is_set():
+                    return
+                for bucket in self.buckets.of_tokens(token_bucket):
+                    self._compile(bucket)
+                ready = [*ready, token_bucket]
+                self.ready_buckets = self.buckets.subset(ready)  # one assignment: the engine sees all or none
+            logger.info(
+                "All %d step buckets compiled, %.1f s after start-up began",
+                len(self.buckets.all()), time.perf_counter() - start,
+            )  # fmt: skip
+        except BaseException as err:  # the engine goes on with the buckets it has
+            self._compile_error = err
+            logger.exception("Compiling the remaining step buckets failed; serving with %s", ready)
+
+    def stop_compiling(self) -> None:
+        """Let the background compile finish the bucket it is on and stop (server shutdown)."""
+        self._stop_compiling.set()
+        if self._compiler is not None:
+            self._compiler.join()
+
+    def wait_compiled(self) -> None:
+        """Block until every bucket is compiled (the offline LLM wants them all before it runs)."""
+        if self._compiler is not None:
+            self._compiler.join()
+        if self._compile_error is not None:
+            raise RuntimeError(
+                f"compiling the step buckets failed: {self._compile_error}"
+            ) from self._compile_error
+
+    @property
+    def ready_token_budget(self) -> int:
+        """The largest step, in tokens, that runs without compiling."""
+        return self.ready_buckets.tokens[-1]
 
     @property
     def kv_pool_lost(self) -> bool:
@@ -228,7 +299,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         if self.channel is not None:
             self.channel.publish("execute", sched)
-        bucket = self.buckets.pick(sched.num_tokens, len(sched.seqs))
+        bucket = self.ready_buckets.pick(sched.num_tokens, len(sched.seqs))
         inputs = batch_lib.prepare(sched, *bucket, self.page_size, self.pages_per_seq, self.pad_slot)
         for s in sched.seqs:
             if s.slot_init is not None:

@@ -1,0 +1,124 @@
+"""Start-up compiles two buckets and serves; the rest compile in the background, and until they
+are ready every step fits a compiled bucket (the scheduler's budget follows the ready ones), so no
+request waits on or triggers a compile and the tokens are the ones a fully compiled engine gives."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from reference_checks import compilations
+from tiny_models import engine_kwargs
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import CompilationConfig, SchedulerConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.runner import model_runner
+from jaxserve.runner.bucketing import FIRST_PREFILL_TOKENS, Buckets
+
+BUDGET = 256  # token buckets 1, 2, 4, ..., 256 on CPU
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    return [rng.integers(3, 500, size=n).tolist() for n in (200, 5, 17, 40)]
+
+
+def test_startup_order_is_the_decode_and_one_prefill_bucket_then_the_rest_smallest_first():
+    buckets = Buckets.from_config(
+        SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256), CompilationConfig(min_token_bucket=1)
+    )
+    first, rest = buckets.startup_order()
+    assert first == [1, FIRST_PREFILL_TOKENS]
+    assert rest == [t for t in buckets.tokens if t not in first] and rest == sorted(rest)
+    small = Buckets.from_config(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), CompilationConfig(min_token_bucket=1)
+    )
+    assert small.startup_order() == ([1, 64], [2, 4, 8, 16, 32])
+
+
+def test_a_subset_picks_only_its_own_buckets():
+    buckets = Buckets.from_config(
+        SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8), CompilationConfig(min_token_bucket=1)
+    )
+    ready = buckets.subset([1, 128])
+    assert ready.pick(1, 1) == (1, 1)
+    assert ready.pick(3, 3) == (128, 8)  # nothing between 1 and 128 is compiled yet
+    assert ready.pick(128, 8) == (128, 8)
+    assert buckets.pick(3, 3) == (4, 4)
+
+
+@pytest.fixture
+def pause_background(monkeypatch):
+    """pause_background() -> an Event: runners made after the call start their background
+    compile only once it is set."""
+    release = threading.Event()
+    original = model_runner.ModelRunner._compile_rest
+
+    def compile_rest(self, *args):
+        release.wait(timeout=300)
+        original(self, *args)
+
+    def pause() -> threading.Event:
+        monkeypatch.setattr(model_runner.ModelRunner, "_compile_rest", compile_rest)
+        return release
+
+    return pause
+
+
+def test_steps_fit_the_ready_buckets_until_the_rest_compile(tiny_llama_gqa, prompts, pause_background):
+    kwargs = engine_kwargs(enforce_eager=False, max_num_batched_tokens=BUDGET, max_num_seqs=4)
+    kwargs["compilation_config"] = {"cache_dir": ""}
+    reference = LLM(tiny_llama_gqa[0], **kwargs)  # waits for every bucket
+    long_prompt, batch = prompts[0], prompts  # the first is longer than the ready prefill bucket
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    release = pause_background()
+    engine = LLMEngine(reference.llm_engine.config)
+    runner = engine.runner
+    first, rest = runner.buckets.startup_order()
+    assert first == [1, FIRST_PREFILL_TOKENS] and runner.ready_token_budget == FIRST_PREFILL_TOKENS
+    assert runner.num_compiled == len(first)
+
+    steps = []
+    original_execute = runner.execute
+
+    def execute(sched):
+        steps.append(sched.num_tokens)
+        return original_execute(sched)
+
+    runner.execute = execute
+    for i, prompt in enumerate(batch):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    outputs = {}
+    with compilations() as compiles:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+    assert compiles == []  # the engine never compiled; the paused background did not either
+    assert runner.num_compiled == len(first)  # and never reached for a bucket that was not ready
+    assert max(steps) <= FIRST_PREFILL_TOKENS < len(long_prompt)  # the long prompt went in chunks
+    expected = reference.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    assert [outputs[str(i)] for i in range(len(batch))] == [list(o.outputs[0].token_ids) for o in expected]
+
+    release.set()
+    runner.wait_compiled()
+    assert runner.ready_token_budget == BUDGET
+    assert runner.num_compiled == len(runner.buckets.all())
+
+
+def test_stopping_the_background_compile_leaves_the_ready_buckets(tiny_llama_gqa, pause_background):
+    kwargs = engine_kwargs(enforce_eager=False, max_num_batched_tokens=BUDGET, max_num_seqs=4)
+    kwargs["compilation_config"] = {"cache_dir": ""}
+    from jaxserve.args import EngineArgs
+
+    release = pause_background()
+    engine = LLMEngine(EngineArgs(model=tiny_llama_gqa[0], **kwargs).create_engine_config())
+    engine.runner._stop_compiling.set()  # before the thread starts its first bucket
+    release.set()
+    engine.runner.stop_compiling()
+    assert engine.runner.ready_token_budget == FIRST_PREFILL_TOKENS
+    assert engine.runner.num_compiled == 2
