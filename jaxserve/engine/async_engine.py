@@ -111,18 +111,16 @@ class AsyncLLMEngine:
         """One engine per data-parallel rank, each on its own tensor_parallel_size devices."""
         import jax
 
-        from jaxserve.engine.llm_engine import load_tokenizer
-
         config = engine_args.create_engine_config()  # checks that tp x dp devices are there
         tp, dp = config.parallel_config.tensor_parallel_size, config.parallel_config.data_parallel_size
         devices = jax.devices()
-        tokenizer = load_tokenizer(config)
         engines = []
         for rank in range(dp):
             group = devices[rank * tp : (rank + 1) * tp]
             if dp > 1:
                 logger.info("Data-parallel rank %d of %d on devices %s", rank, dp, [d.id for d in group])
-            engines.append(LLMEngine(config, tokenizer, devices=group))
+            # the first engine loads the tokenizer (beside its weights); the others share it
+            engines.append(LLMEngine(config, engines[0].tokenizer if engines else None, devices=group))
         return cls(engines, stats_callbacks)
 
     # ---- life cycle ----------------------------------------------------------------------

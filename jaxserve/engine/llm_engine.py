@@ -13,6 +13,7 @@ to the scheduler. A step whose device call fails fails only the requests in that
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -78,10 +79,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None, devices=None):
         """devices: the ones this engine's mesh spans (default: the first tensor_parallel_size)."""
         self.config = config
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
-        self.runner = ModelRunner(
-            config, make_mesh(config.parallel_config.tensor_parallel_size, devices=devices)
-        )
+        mesh = make_mesh(config.parallel_config.tensor_parallel_size, devices=devices)
+        if tokenizer is not None:
+            self.tokenizer, self.runner = tokenizer, ModelRunner(config, mesh)
+        else:  # the tokenizer loads while the weights load and the first buckets compile
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenizer") as pool:
+                pending = pool.submit(load_tokenizer, config)
+                self.runner = ModelRunner(config, mesh)
+                self.tokenizer = pending.result()
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.runner.num_blocks)
         self._parents: dict[str, ParentRequest] = {}
         self._child_to_parent: dict[str, str] = {}

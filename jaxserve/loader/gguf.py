@@ -27,6 +27,7 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from jaxserve.config import jaxserve_cache_dir
+from jaxserve.loader import file_cache
 from jaxserve.loader.gguf_tokenizer import (
     TOKENIZER_BUILD_VERSION,
     GGUFTokenizerMetadata,
@@ -91,9 +92,15 @@ class _PlainArrayReader(GGUFReader):
 
 
 def read_gguf_config(path: str) -> dict:
-    """A Hugging Face ``LlamaConfig``-style dict built from the file's metadata."""
-    reader = _open(path)
-    return _hf_config(reader, path)
+    """A Hugging Face ``LlamaConfig``-style dict built from the file's metadata (kept in the file
+    cache: a warm start then never parses the header)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such GGUF file")
+    config = file_cache.read_json(path, "config")
+    if config is None:
+        config = _hf_config(_open(path), path)
+        file_cache.write_json(path, "config", config)
+    return config
 
 
 def iter_gguf_tensors(path: str, use_tqdm: bool = True) -> Iterator[tuple[str, np.ndarray]]:

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig, ParallelConfig
+from jaxserve.loader import file_cache
 from jaxserve.models.registry import resolve_architecture
 from jaxserve.sharding import named_sharding, state_shardings
 
@@ -109,8 +110,30 @@ def load_model(
     if model_config.load_format == "orbax":
         return graphdef, _restore_orbax(model_config, entry, args, abstract, mesh, expert_parallel)
 
-    copies = getattr(args, "kv_head_copies", 1)
     flat = dict(nnx.to_flat_state(abstract))
+    paths = {".".join(map(str, key)) for key in flat}
+    buffers = None
+    if model_config.load_format == "gguf":  # dequantized and stacked once, then read back mapped
+        cached_as = f"weights-kv{getattr(args, 'kv_head_copies', 1)}"
+        buffers = file_cache.read_arrays(model_config.model, cached_as, paths)
+    if buffers is None:
+        buffers = _read_buffers(model_config, entry, args, flat)
+        if model_config.load_format == "gguf":
+            file_cache.write_arrays(model_config.model, cached_as, buffers)
+    for key, var in flat.items():
+        buf = buffers[".".join(map(str, key))]
+        sharding = named_sharding(mesh, var.get_metadata()["logical_axes"], expert_parallel)
+        # Each device receives only its own slice, cast on the host: no device (and, across
+        # hosts, no process) ever holds a whole tensor it does not own.
+        var.value = jax.make_array_from_callback(
+            buf.shape, sharding, lambda i, b=buf: b[i].astype(dtype, copy=False)
+        )
+    return graphdef, nnx.from_flat_state(flat)
+
+
+def _read_buffers(model_config: ModelConfig, entry, args, flat: dict) -> dict[str, np.ndarray]:
+    """Every parameter as one host array (layers stacked), by dotted parameter path."""
+    copies = getattr(args, "kv_head_copies", 1)
     buffers: dict[str, np.ndarray] = {}
     filled: set[str] = set()
     weight_map = entry.model_cls.hf_weight_map(args)
@@ -151,13 +174,7 @@ def load_model(
         raise ValueError(
             f"Checkpoint {model_config.model} lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}."
         )
-    for key, var in flat.items():
-        buf = buffers[".".join(map(str, key))]
-        sharding = named_sharding(mesh, var.get_metadata()["logical_axes"], expert_parallel)
-        # Each device receives only its own slice, cast on the host: no device (and, across
-        # hosts, no process) ever holds a whole tensor it does not own.
-        var.value = jax.make_array_from_callback(buf.shape, sharding, lambda i, b=buf: b[i].astype(dtype))
-    return graphdef, nnx.from_flat_state(flat)
+    return buffers
 
 
 def _restore_orbax(model_config, entry, args, abstract, mesh, expert_parallel):

@@ -244,3 +244,45 @@ def test_gguf_and_safetensors_of_the_same_weights_give_identical_logits(architec
         logits.append(prompt_logits(runner, ids))
     np.testing.assert_array_equal(logits[0], logits[1])
     np.testing.assert_allclose(logits[1], teacher_forced_logits(torch_model, ids), atol=1e-4, rtol=0)
+
+
+def test_second_load_reads_the_file_cache_not_the_gguf(tmp_path, monkeypatch):
+    """The first load keeps the config and the dequantized, stacked weights; the next one reads
+    them back without parsing the file, and gets the same parameters. A damaged entry is rebuilt."""
+    import jax
+    from tiny_models import engine_kwargs
+
+    from jaxserve.args import EngineArgs
+    from jaxserve.loader import gguf as gguf_module
+    from jaxserve.loader import model_loader
+    from jaxserve.sharding import make_mesh
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = write_tiny_gguf(str(tmp_path / "m.gguf"), tied=False).path
+
+    def load():
+        config = EngineArgs(model=path, **engine_kwargs()).create_engine_config().model_config
+        return model_loader.load_model(config, make_mesh(1))[1]
+
+    first = load()
+    entries = list((tmp_path / "cache" / "jaxserve" / "files").iterdir())
+    assert len(entries) == 1 and {p.name for p in entries[0].iterdir()} == {"config", "weights-kv1"}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the GGUF was read again")
+
+    monkeypatch.setattr(gguf_module, "_open_version", refuse)
+    monkeypatch.setattr(gguf_module, "iter_gguf_tensors", refuse)
+    second = load()
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    weights = entries[0] / "weights-kv1"
+    victim = sorted(weights.iterdir())[0]
+    victim.write_bytes(b"not an array")
+    third = load()
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(third), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.load(victim)  # rebuilt whole
