@@ -54,25 +54,26 @@ def jaxserve_without_torch(*args: str, stdin: str | None = None, timeout: float 
     return done.stdout
 
 
-def test_generate_and_chat_answer_without_torch(default_gguf):
-    generated = jaxserve_without_torch(
+@pytest.fixture(scope="module")
+def generated(default_gguf) -> str:
+    return jaxserve_without_torch(
         "generate", default_gguf, *ENGINE_FLAGS, *GREEDY, "--chat", "--prompt", QUESTION
     )
+
+
+def test_generate_and_chat_answer_without_torch(default_gguf, generated):
     assert "Paris" in generated
     chatted = jaxserve_without_torch("chat", default_gguf, *ENGINE_FLAGS, *GREEDY, stdin=QUESTION + "\n")
     assert "Paris" in chatted
 
 
-def test_convert_without_torch_gives_a_checkpoint_that_answers_the_same(default_gguf, tmp_path):
+def test_convert_without_torch_gives_a_checkpoint_that_answers_the_same(default_gguf, generated, tmp_path):
     output = str(tmp_path / "converted")
     jaxserve_without_torch("convert", default_gguf, "--output", output, "--no-use-tqdm-on-load")
-    original = jaxserve_without_torch(
-        "generate", default_gguf, *ENGINE_FLAGS, *GREEDY, "--chat", "--prompt", QUESTION
-    )
     converted = jaxserve_without_torch(
         "generate", output, *ENGINE_FLAGS, *GREEDY, "--chat", "--prompt", QUESTION
     )
-    assert converted == original and "Paris" in converted
+    assert converted == generated and "Paris" in converted
 
 
 def _free_port() -> int:
