@@ -14,12 +14,14 @@ builds; a batch that needs none of the extras never pays for them.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import functools
 import itertools
 import logging
 import threading
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +57,17 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
 _SHARED_STEPS: collections.OrderedDict = collections.OrderedDict()
 _MAX_SHARED_STEPS = 256
 _SHARED_STEPS_LOCK = threading.Lock()  # start-up compiles in a background thread too
+
+# Runners whose start-up compile thread may still run. At exit each finishes the bucket it is on
+# and stops: a daemon thread killed inside XLA's compiler aborts the process, and waiting for every
+# remaining bucket would hold an exit (after a failed bind, say) for most of a minute.
+_COMPILING: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_compiling_at_exit() -> None:
+    for runner in list(_COMPILING):
+        runner.stop_compiling()
 
 
 def _abstract(tree, sharding=None):
@@ -236,10 +249,10 @@ class ModelRunner:
             len(buckets), time.perf_counter() - start, len(self.buckets.all()) - len(buckets),
         )  # fmt: skip
         if rest:
-            # Not a daemon: killing a thread inside XLA's compiler at exit aborts the process.
             self._compiler = threading.Thread(
-                target=self._compile_rest, args=(first, rest, start), name="jaxserve-compile"
+                target=self._compile_rest, args=(first, rest, start), name="jaxserve-compile", daemon=True
             )
+            _COMPILING.add(self)
             self._compiler.start()
 
     def _compile_rest(self, ready: list[int], rest: list[int], start: float) -> None:
@@ -256,6 +269,8 @@ class ModelRunner:
                 len(self.buckets.all()), time.perf_counter() - start,
             )  # fmt: skip
         except BaseException as err:  # the engine goes on with the buckets it has
+            if self._stop_compiling.is_set():
+                return  # shutting down: JAX may already be tearing down what a lowering uses
             self._compile_error = err
             logger.exception("Compiling the remaining step buckets failed; serving with %s", ready)
 
