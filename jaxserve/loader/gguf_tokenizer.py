@@ -114,7 +114,7 @@ def build_gguf_tokenizer(meta: GGUFTokenizerMetadata, name_or_path: str = ""):
     add_eos = bool(meta.add_eos_token)
     bos, eos = meta.token(meta.bos_token_id), meta.token(meta.eos_token_id)
     backend.post_processor = _bos_eos_template(
-        bos if add_bos else None, eos if add_eos else None, {t: meta.tokens.index(t) for t in (bos, eos) if t}
+        bos if add_bos else None, eos if add_eos else None, {bos: meta.bos_token_id, eos: meta.eos_token_id}
     )
 
     from transformers import PreTrainedTokenizerFast
