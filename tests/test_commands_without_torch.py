@@ -3,7 +3,8 @@
 Each command runs in its own process where `import torch` fails, on the real default model (its
 tokenizer comes from the GGUF metadata, the path that once needed torch): generate and chat answer
 the capital-of-France question, convert writes a checkpoint that generates the same text, and
-`bench serve` measures a server started the same way.
+`bench serve` measures a server started the same way. On the GGUF file, serve, generate, chat and
+bench serve also run with transformers unimportable.
 """
 
 from __future__ import annotations
@@ -21,16 +22,21 @@ from tiny_models import TEST_XLA_CACHE
 
 pytestmark = pytest.mark.slow
 
-# `torch` in sys.modules as None: every `import torch` raises, and importlib's find_spec reports
-# it absent, as on a machine that never installed it.
-WITHOUT_TORCH = (
+# A module in sys.modules as None: every import of it raises, and importlib's find_spec reports it
+# absent, as on a machine that never installed it. A GGUF file's commands need no transformers
+# either (it costs a second and a half of every start): its tokenizer and chat template are ours.
+PRELUDE = (
     "import sys\n"
-    "sys.modules['torch'] = None\n"
+    "blocked = sys.argv.pop(1).split(',')\n"
+    "for name in blocked:\n"
+    "    sys.modules[name] = None\n"
     "from jaxserve.cli import main\n"
     "code = main(sys.argv[1:])\n"
-    "assert sys.modules.get('torch', None) is None\n"
+    "assert all(sys.modules.get(name, None) is None for name in blocked)\n"
     "sys.exit(code)\n"
 )
+WITHOUT_TORCH = ("torch",)
+WITHOUT_TRANSFORMERS = ("torch", "transformers")
 ENGINE_FLAGS = [
     "--max-model-len", "512",
     "--max-num-seqs", "4",
@@ -42,11 +48,18 @@ QUESTION = "What is the capital of France?"
 GREEDY = ["--temperature", "0", "--max-tokens", "12"]
 
 
-def jaxserve_without_torch(*args: str, stdin: str | None = None, timeout: float = 300) -> str:
-    """`jaxserve args...` with torch unimportable; its stdout, or the test fails with its stderr."""
+def command(blocked: tuple[str, ...], *args: str) -> list[str]:
+    return [sys.executable, "-c", PRELUDE, ",".join(blocked), *args]
+
+
+def jaxserve_without(
+    blocked: tuple[str, ...], *args: str, stdin: str | None = None, timeout: float = 300
+) -> str:
+    """`jaxserve args...` with the `blocked` modules unimportable; its stdout, or the test fails
+    with its stderr."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
-        [sys.executable, "-c", WITHOUT_TORCH, *args],
+        command(blocked, *args),
         input=stdin, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -56,22 +69,24 @@ def jaxserve_without_torch(*args: str, stdin: str | None = None, timeout: float 
 
 @pytest.fixture(scope="module")
 def generated(default_gguf) -> str:
-    return jaxserve_without_torch(
-        "generate", default_gguf, *ENGINE_FLAGS, *GREEDY, "--chat", "--prompt", QUESTION
+    return jaxserve_without(
+        WITHOUT_TRANSFORMERS, "generate", default_gguf, *ENGINE_FLAGS, *GREEDY, "--chat", "--prompt", QUESTION
     )
 
 
-def test_generate_and_chat_answer_without_torch(default_gguf, generated):
+def test_generate_and_chat_answer_without_torch_or_transformers(default_gguf, generated):
     assert "Paris" in generated
-    chatted = jaxserve_without_torch("chat", default_gguf, *ENGINE_FLAGS, *GREEDY, stdin=QUESTION + "\n")
+    chatted = jaxserve_without(
+        WITHOUT_TRANSFORMERS, "chat", default_gguf, *ENGINE_FLAGS, *GREEDY, stdin=QUESTION + "\n"
+    )
     assert "Paris" in chatted
 
 
 def test_convert_without_torch_gives_a_checkpoint_that_answers_the_same(default_gguf, generated, tmp_path):
     output = str(tmp_path / "converted")
-    jaxserve_without_torch("convert", default_gguf, "--output", output, "--no-use-tqdm-on-load")
-    converted = jaxserve_without_torch(
-        "generate", output, *ENGINE_FLAGS, *GREEDY, "--chat", "--prompt", QUESTION
+    jaxserve_without(WITHOUT_TORCH, "convert", default_gguf, "--output", output, "--no-use-tqdm-on-load")
+    converted = jaxserve_without(  # a converted directory's tokenizer loads through transformers
+        WITHOUT_TORCH, "generate", output, *ENGINE_FLAGS, *GREEDY, "--chat", "--prompt", QUESTION
     )
     assert converted == generated and "Paris" in converted
 
@@ -82,12 +97,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_and_bench_serve_without_torch(default_gguf, tmp_path):
+def test_serve_and_bench_serve_without_torch_or_transformers(default_gguf, tmp_path):
     port = _free_port()
     log = open(tmp_path / "server.log", "w+")
     server = subprocess.Popen(
-        [sys.executable, "-c", WITHOUT_TORCH, "serve", default_gguf, *ENGINE_FLAGS,
-         "--host", "127.0.0.1", "--port", str(port)],
+        command(WITHOUT_TRANSFORMERS, "serve", default_gguf, *ENGINE_FLAGS, "--host", "127.0.0.1",
+                "--port", str(port)),
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )  # fmt: skip
     try:
@@ -101,8 +116,8 @@ def test_serve_and_bench_serve_without_torch(default_gguf, tmp_path):
                         break
             except OSError:
                 time.sleep(0.5)
-        out = jaxserve_without_torch(
-            "bench", "serve", "--backend", "openai-chat", "--base-url", f"http://127.0.0.1:{port}",
+        out = jaxserve_without(
+            WITHOUT_TRANSFORMERS, "bench", "serve", "--backend", "openai-chat", "--base-url", f"http://127.0.0.1:{port}",
             "--model", default_gguf, "--dataset-name", "random", "--random-input-len", "16",
             "--random-output-len", "8", "--num-prompts", "4", "--disable-tqdm",
             "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json",

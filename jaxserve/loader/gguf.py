@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from jaxserve.config import jaxserve_cache_dir
 from jaxserve.loader import file_cache
+from jaxserve.loader.fast_tokenizer import FastTokenizer
 from jaxserve.loader.gguf_tokenizer import (
     TOKENIZER_BUILD_VERSION,
     GGUFTokenizerMetadata,
@@ -117,16 +118,14 @@ def iter_gguf_tensors(path: str, use_tqdm: bool = True) -> Iterator[tuple[str, n
     return _iter_tensors(reader, names, arch, heads, path, use_tqdm)
 
 
-def load_gguf_tokenizer(path: str):
-    """A transformers fast tokenizer rebuilt from the file's vocabulary, merges and special tokens.
+def load_gguf_tokenizer(path: str) -> FastTokenizer:
+    """A fast tokenizer rebuilt from the file's vocabulary, merges and special tokens.
 
     Built with the ``tokenizers`` library (``gguf_tokenizer.py``), never through transformers' GGUF
-    loader, which needs torch; the tests check it id for id against that loader. A ``tokenizer.json``
-    that sits beside the file is ignored: it may belong to another model, and a .gguf's tokenizer
-    comes from the .gguf.
+    loader, which needs torch, nor through transformers at all; the tests check it id for id against
+    that loader. A ``tokenizer.json`` that sits beside the file is ignored: it may belong to another
+    model, and a .gguf's tokenizer comes from the .gguf.
     """
-    from transformers import PreTrainedTokenizerFast
-
     # Parsing the vocabulary and merges takes a second or two; a converted copy keyed by the file's
     # identity (absolute path, size, modification time) and the builder's version loads in a fraction.
     if not os.path.isfile(path):
@@ -138,9 +137,7 @@ def load_gguf_tokenizer(path: str):
     cached = jaxserve_cache_dir("tokenizers", key)
     if os.path.isdir(cached):
         try:
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(cached)
-            tokenizer.name_or_path = model_dir
-            return tokenizer
+            return FastTokenizer.from_directory(cached, name_or_path=model_dir)
         except Exception:  # a damaged cache entry is rebuilt below
             logger.warning("Rebuilding the cached tokenizer of %s", path)
     try:

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from jaxserve.loader.fast_tokenizer import FastTokenizer
+
 # Bumped whenever what is built changes: converted tokenizers are cached on disk under it.
-TOKENIZER_BUILD_VERSION = 1
+TOKENIZER_BUILD_VERSION = 2
 
 # gguf.TokenType values (llama.cpp's llama_token_type)
 _CONTROL, _USER_DEFINED = 3, 4
@@ -96,8 +98,9 @@ class GGUFTokenizerMetadata:
         return None if token_id is None else self.tokens[token_id]
 
 
-def build_gguf_tokenizer(meta: GGUFTokenizerMetadata, name_or_path: str = ""):
-    """A transformers fast tokenizer (the interface the engine uses) around a ``tokenizers`` one.
+def build_gguf_tokenizer(meta: GGUFTokenizerMetadata, name_or_path: str = "") -> FastTokenizer:
+    """The tokenizer the engine uses (transformers' interface, loader/fast_tokenizer.py) around a
+    ``tokenizers`` one.
 
     Raises ValueError for a tokenizer model this cannot build.
     """
@@ -117,10 +120,8 @@ def build_gguf_tokenizer(meta: GGUFTokenizerMetadata, name_or_path: str = ""):
         bos if add_bos else None, eos if add_eos else None, {bos: meta.bos_token_id, eos: meta.eos_token_id}
     )
 
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
+    return FastTokenizer(
+        backend,
         name_or_path=name_or_path,
         bos_token=bos,
         eos_token=eos,
@@ -130,7 +131,6 @@ def build_gguf_tokenizer(meta: GGUFTokenizerMetadata, name_or_path: str = ""):
         add_eos_token=add_eos,
         chat_template=meta.chat_template,
     )
-    return tokenizer
 
 
 def _byte_level_bpe(meta: GGUFTokenizerMetadata) -> Tokenizer:
