@@ -72,12 +72,17 @@ def num_blocks_for(spec: KVCacheSpec, cache: CacheConfig, max_useful_blocks: int
     return blocks
 
 
+def abstract_kv_pool(spec: KVCacheSpec, num_blocks: int, mesh: Mesh) -> jax.ShapeDtypeStruct:
+    """The pool's shape, dtype and sharding: all a step needs to compile before the pool exists."""
+    shape = (spec.num_layers * num_blocks, 2 * spec.num_kv_heads, spec.page_size, spec.head_dim)
+    return jax.ShapeDtypeStruct(shape, spec.dtype, sharding=named_sharding(mesh, KV_POOL_AXES))
+
+
 def allocate_kv_pool(
     spec: KVCacheSpec, num_blocks: int, mesh: Mesh
 ) -> jax.Array:  # [num_layers * num_blocks, 2 * num_kv_heads, page_size, head_dim]
-    shape = (spec.num_layers * num_blocks, 2 * spec.num_kv_heads, spec.page_size, spec.head_dim)
-    sharding = named_sharding(mesh, KV_POOL_AXES)
-    pool = jax.jit(lambda: jnp.zeros(shape, spec.dtype), out_shardings=sharding)()
+    pool = abstract_kv_pool(spec, num_blocks, mesh)
+    pool = jax.jit(lambda: jnp.zeros(pool.shape, pool.dtype), out_shardings=pool.sharding)()
     logger.info(
         "KV cache: %d blocks of %d tokens, %.2f GiB per device",
         num_blocks,

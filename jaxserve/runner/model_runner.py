@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import atexit
 import collections
+import concurrent.futures
 import functools
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -36,20 +38,24 @@ from jaxserve.layers.sampler import ProcessorState, count_sampled, sample, top_l
 from jaxserve.loader.model_loader import build_model_args, load_model
 from jaxserve.runner import batch as batch_lib
 from jaxserve.runner.bucketing import Buckets
-from jaxserve.runner.kv_cache import KVCacheSpec, allocate_kv_pool, num_blocks_for
+from jaxserve.runner.executable_cache import ExecutableCache
+from jaxserve.runner.kv_cache import KVCacheSpec, abstract_kv_pool, allocate_kv_pool, num_blocks_for
 from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput, SlotInit, TopLogprobs
 from jaxserve.sharding import make_mesh
 
 logger = logging.getLogger(__name__)
 
 
-def enable_compilation_cache(cache_dir: str | None) -> None:
-    """JAX's persistent compilation cache: a second start-up reads compiled steps from disk."""
+def enable_compilation_cache(cache_dir: str | None) -> ExecutableCache | None:
+    """JAX's persistent compilation cache, and beside it the runner's own store of whole
+    executables (runner/executable_cache.py): a second start-up neither compiles nor traces."""
     if cache_dir == "":
-        return
-    jax.config.update("jax_compilation_cache_dir", cache_dir or jaxserve_cache_dir("xla"))
+        return None
+    cache_dir = cache_dir or jaxserve_cache_dir("xla")
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return ExecutableCache(os.path.join(cache_dir, "jaxserve-steps"))
 
 
 # Compiled steps shared by every runner of this process: a second engine on the same model
@@ -91,9 +97,12 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, mesh: jax.sharding.Mesh | None = None):
         self.config = config
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
-        enable_compilation_cache(config.compilation_config.cache_dir)
         self.mesh = mesh or make_mesh(config.parallel_config.tensor_parallel_size)
-        _, self.args = build_model_args(mc, config.parallel_config)
+        self.executables = enable_compilation_cache(config.compilation_config.cache_dir)
+        if jax.process_count() > 1 or self.mesh.devices.flat[0].platform != "cpu":
+            self.executables = None  # see runner/executable_cache.py
+        entry, self.args = build_model_args(mc, config.parallel_config)
+        self._model_name = f"{entry.model_cls.__module__}.{entry.model_cls.__qualname__}"
         start = time.perf_counter()
         self.graphdef, self.state = load_model(mc, self.mesh, config.parallel_config)
         logger.info(
@@ -115,7 +124,6 @@ class ModelRunner:
         )
         max_useful = sc.max_num_seqs * self.pages_per_seq + 1
         self.num_blocks = num_blocks_for(self.kv_spec, cc, max_useful, self.mesh)
-        self.kv_pool = allocate_kv_pool(self.kv_spec, self.num_blocks, self.mesh)
         kv_tokens = (self.num_blocks - 1) * self.page_size  # block 0 is never handed out
         logger.info(
             "KV cache size: %s tokens; maximum concurrency for %s tokens per request: %.2fx",
@@ -136,7 +144,8 @@ class ModelRunner:
         }
         self._init_slot = jax.jit(_init_slot, donate_argnums=0)
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
-        self._abstract_state, self._abstract_pool = _abstract(self.state), _abstract(self.kv_pool)
+        self._abstract_state = _abstract(self.state)
+        self._abstract_pool = abstract_kv_pool(self.kv_spec, self.num_blocks, self.mesh)
         # The buckets a step may use: all of them when compiled on demand (enforce_eager), else
         # the ones compiled so far (precompile widens it as the background compiles finish).
         self.ready_buckets = self.buckets
@@ -150,8 +159,13 @@ class ModelRunner:
             from jaxserve.distributed import StepChannel
 
             self.channel = StepChannel()
-        if not config.compilation_config.enforce_eager:
-            self.precompile()
+        # The pool's zero-fill (first touch of fresh memory: about a second per GiB on a small VM)
+        # runs in XLA, outside the GIL, while this thread traces or loads the first steps.
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-kv-pool") as pool:
+            allocating = pool.submit(allocate_kv_pool, self.kv_spec, self.num_blocks, self.mesh)
+            if not config.compilation_config.enforce_eager:
+                self.precompile()
+            self.kv_pool = allocating.result()
 
     def _step(self, state, kv_pool, processors, inputs: batch_lib.BatchInputs, *, variant):
         """variant = (with the processor state, with top logprobs, with logits at every fed
@@ -193,15 +207,37 @@ class ModelRunner:
                    tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(args)))  # fmt: skip
             compiled = _SHARED_STEPS.get(key)
             if compiled is None:
-                # layers that split work by hand (MoE experts) read the mesh; attention its backend
-                with jax.set_mesh(self.mesh), use_backend(backend):
-                    compiled = self._jitted[variant].lower(*args).compile()
+                compiled = self._load_or_compile(key, args)
                 with _SHARED_STEPS_LOCK:
                     _SHARED_STEPS[key] = compiled
                     while len(_SHARED_STEPS) > _MAX_SHARED_STEPS:
                         _SHARED_STEPS.popitem(last=False)
             self._compiled[(bucket, variant)] = compiled
         return compiled
+
+    def _load_or_compile(self, key: tuple, args: tuple) -> jax.stages.Compiled:
+        """The step from the executable store when an earlier start compiled it, else traced,
+        lowered and compiled now (and stored)."""
+        _, variant, _, backend, *_ = key
+        if self.executables is None:
+            return self._trace_and_compile(variant, backend, args)
+        devices = list(self.mesh.devices.flat)
+        # the graph is the model class applied to its arguments; the rest of the key as text
+        stored_as = (
+            self._model_name, repr(self.args), variant, *map(str, key[2:]),
+            tuple((d.id, d.device_kind) for d in devices),
+        )  # fmt: skip
+        compiled = self.executables.load(stored_as, devices)
+        if compiled is None:
+            with self.executables.fresh():
+                compiled = self._trace_and_compile(variant, backend, args)
+            self.executables.store(stored_as, compiled)
+        return compiled
+
+    def _trace_and_compile(self, variant, backend: str, args: tuple) -> jax.stages.Compiled:
+        # layers that split work by hand (MoE experts) read the mesh; attention its backend
+        with jax.set_mesh(self.mesh), use_backend(backend):
+            return self._jitted[variant].lower(*args).compile()
 
     def _processor_state(self) -> ProcessorState:
         if self.processor_state is None:
