@@ -348,7 +348,11 @@ class EngineArgs:
     )
     enable_prefix_caching: bool = arg(_CACHE, True, "Reuse KV pages of shared prompt prefixes.")
     prefix_caching_hash_algo: str = arg(
-        _CACHE, "builtin", "Hash used for prefix-cache keys.", choices=("builtin", "sha256")
+        _CACHE,
+        "sha256",
+        "Hash of prefix-cache keys (builtin: 64-bit Python hash, collidable by crafted "
+        "prompts; every hit is also checked against its tokens).",
+        choices=("builtin", "sha256"),
     )
     # ---- SchedulerConfig
     max_num_batched_tokens: int | None = arg(

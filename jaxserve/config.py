@@ -55,7 +55,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "builtin"
+    prefix_caching_hash_algo: str = "sha256"
     swap_space: float = 4.0
     kv_cache_dtype: str = "auto"
     # Bytes of KV pool per device, instead of what gpu_memory_utilization leaves (vLLM's

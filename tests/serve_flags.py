@@ -103,7 +103,7 @@ FLAGS = [
     ("--num-gpu-blocks-override", "A", None, "64", 64),
     ("--kv-cache-memory-bytes", "A", None, "1G", 1 << 30),
     ("--enable-prefix-caching", "A", True, False, False),
-    ("--prefix-caching-hash-algo", "A", "builtin", "sha256", "sha256"),
+    ("--prefix-caching-hash-algo", "A", "sha256", "builtin", "builtin"),
     ("--calculate-kv-scales", "B", False, True, True),
     # ---- SchedulerConfig
     ("--max-num-batched-tokens", "A", None, "4096", 4096),

@@ -4,8 +4,10 @@ Only the Scheduler calls this class (see DESIGN.md, "Who may touch what"). The r
 never sees it: it receives each sequence's page table inside the SchedulerOutput.
 
 Prefix caching works on *full* pages. A full page is named by a chained hash of its
-tokens and of the hash of the page before it, so equal hashes mean equal prefixes, not
-just equal pages. A page whose last user has finished keeps its hash and its KV while it
+tokens and of the hash of the page before it (sha256 by default), so equal hashes mean equal
+prefixes, not just equal pages. A hit is also checked against the (parent hash, tokens) the
+page was cached under, so even a colliding hash (the opt-in 64-bit `builtin` one, which
+crafted prompts can collide) costs a miss, never another prompt's KV. A page whose last user has finished keeps its hash and its KV while it
 sits in the free queue; it is reused as a cache hit until allocation evicts it. The free
 queue is in LRU order, so the pages freed longest ago are evicted first.
 """
@@ -13,16 +15,20 @@ queue is in LRU order, so the pages freed longest ago are evicted first.
 from __future__ import annotations
 
 import hashlib
-import pickle
+import logging
+from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 # Page 0 is never handed out: padded page-table entries on the device point at it, so
 # whatever garbage the runner writes there hurts no one.
 NULL_BLOCK_ID = 0
 
 BlockHash = Hashable
+PageKey = tuple  # (parent hash, token ids): what a page's hash is taken over
 
 
 @dataclass
@@ -49,33 +55,47 @@ def _hash_builtin(parent: BlockHash | None, tokens: tuple[int, ...]) -> BlockHas
 
 
 def _hash_sha256(parent: BlockHash | None, tokens: tuple[int, ...]) -> BlockHash:
-    # Collision-resistant, for deployments where a 64-bit Python hash collision (which
-    # would serve one prompt another prompt's KV) is not an acceptable risk.
-    return hashlib.sha256(pickle.dumps((parent, tokens), protocol=5)).digest()
+    # The parent's 32-byte digest (none for a first page), then the page's ids as int64: one
+    # encoding per (parent, tokens), and a collision-resistant digest over it.
+    digest = hashlib.sha256(parent or b"")
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
 
 
 _HASH_FNS = {"builtin": _hash_builtin, "sha256": _hash_sha256}
+DEFAULT_HASH_ALGO = "sha256"
 
 
-def page_hashes(
+def pages(
     token_ids: Sequence[int],
     block_size: int,
     start: int = 0,
     stop: int | None = None,
     parent: BlockHash | None = None,
-    hash_fn=_hash_builtin,
-) -> Iterator[BlockHash]:
-    """Chained hashes of full pages start..stop-1 of token_ids (default: every full page),
-    `parent` being the hash of page start-1; lazy, so a lookup can stop at its first miss."""
+    hash_fn=_hash_sha256,
+) -> Iterator[tuple[BlockHash, PageKey]]:
+    """(chained hash, (parent hash, token ids)) of full pages start..stop-1 of token_ids
+    (default: every full page), `parent` being the hash of page start-1; lazy, so a lookup can
+    stop at its first miss."""
     stop = len(token_ids) // block_size if stop is None else stop
     for i in range(start, stop):
-        parent = hash_fn(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
-        yield parent
+        key = (parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
+        parent = hash_fn(*key)
+        yield parent, key
+
+
+def page_hashes(token_ids: Sequence[int], block_size: int, hash_fn=_hash_builtin) -> list[BlockHash]:
+    """The chained hashes of every full page (the data-parallel router's view of a prompt)."""
+    return [page_hash for page_hash, _ in pages(token_ids, block_size, hash_fn=hash_fn)]
 
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, hash_algo: str = "builtin"
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        hash_algo: str = DEFAULT_HASH_ALGO,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (page 0 is reserved), got {num_blocks}.")
@@ -89,9 +109,15 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._hash_fn = _HASH_FNS[hash_algo]
+        if enable_prefix_caching and hash_algo == "builtin":
+            logger.warning(
+                "--prefix-caching-hash-algo builtin: 64-bit Python hashes, which crafted prompts can "
+                "collide (a collision costs a cache miss: every hit is checked against its tokens)."
+            )
 
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
+        self._block_key: list[PageKey | None] = [None] * num_blocks  # what the hash was taken over
         self._cached: dict[BlockHash, int] = {}  # hash of a full page -> the page holding it
         # Pages with ref count 0, head = next to be evicted. An OrderedDict gives O(1)
         # removal from the middle, which a cache hit on a free page needs.
@@ -142,9 +168,9 @@ class BlockManager:
             return [], 0
         bs = self.block_size
         blocks: list[int] = []
-        for page_hash in page_hashes(token_ids, bs, stop=(len(token_ids) - 1) // bs, hash_fn=self._hash_fn):
+        for page_hash, key in pages(token_ids, bs, stop=(len(token_ids) - 1) // bs, hash_fn=self._hash_fn):
             block = self._cached.get(page_hash)
-            if block is None:
+            if block is None or self._block_key[block] != key:
                 break
             blocks.append(block)
         return blocks, len(blocks) * bs
@@ -187,7 +213,7 @@ class BlockManager:
     def _evict(self, block: int) -> None:
         block_hash = self._block_hash[block]
         if block_hash is not None:
-            self._block_hash[block] = None
+            self._block_hash[block] = self._block_key[block] = None
             if self._cached.get(block_hash) == block:
                 del self._cached[block_hash]
 
@@ -202,8 +228,8 @@ class BlockManager:
         hashes = self._req_hashes[req_id]
         start, stop = len(hashes), min(num_tokens // self.block_size, len(table))
         last = hashes[-1] if hashes else None
-        for i, page_hash in enumerate(
-            page_hashes(token_ids, self.block_size, start, stop, last, self._hash_fn), start
+        for i, (page_hash, key) in enumerate(
+            pages(token_ids, self.block_size, start, stop, last, self._hash_fn), start
         ):
             hashes.append(page_hash)
             block = table[i]
@@ -211,7 +237,7 @@ class BlockManager:
             # same time), keep that one; this page stays anonymous and is evicted first.
             if page_hash not in self._cached:
                 self._cached[page_hash] = block
-                self._block_hash[block] = page_hash
+                self._block_hash[block], self._block_key[block] = page_hash, key
 
     def free(self, req_id: str) -> None:
         """Drop the request's references; unknown ids are ignored.
@@ -239,4 +265,5 @@ class BlockManager:
             return False
         self._cached.clear()
         self._block_hash = [None] * self.num_blocks
+        self._block_key = [None] * self.num_blocks
         return True

@@ -32,7 +32,7 @@ class Router:
 
     def cached_pages(self, replica: int, token_ids: Sequence[int]) -> int:
         """Leading full pages of the prompt sent to this replica before (as far as the router knows)."""
-        return self._prefix_len(replica, list(page_hashes(token_ids, self.block_size)))
+        return self._prefix_len(replica, page_hashes(token_ids, self.block_size))
 
     def _prefix_len(self, replica: int, hashes: list[int]) -> int:
         pages, n = self._pages[replica], 0
@@ -43,7 +43,7 @@ class Router:
     def assign(self, token_ids: Sequence[int]) -> int:
         least = min(self.loads)
         near = [i for i, load in enumerate(self.loads) if load <= least + self.slack]
-        hashes = list(page_hashes(token_ids, self.block_size))
+        hashes = page_hashes(token_ids, self.block_size)
         best = max(near, key=lambda i: (self._prefix_len(i, hashes), -self.loads[i], -self.kv_usage[i], -i))
         self.loads[best] += 1
         pages = self._pages[best]

@@ -1,5 +1,6 @@
 import pytest
 
+from jaxserve.engine import block_manager
 from jaxserve.engine.block_manager import NULL_BLOCK_ID, BlockManager
 
 
@@ -140,6 +141,41 @@ def test_hash_algorithms(hash_algo):
     bm.cache_full_blocks("a", tokens(12), 12)
     assert bm.get_computed_blocks(tokens(13)) == (bm.block_ids("a"), 12)
     assert bm.get_computed_blocks(tokens(4) + tokens(9, 5)) == (bm.block_ids("a")[:1], 4)
+
+
+@pytest.mark.parametrize("hash_algo", ["builtin", "sha256"])
+def test_a_colliding_hash_never_serves_another_prompts_pages(hash_algo, monkeypatch):
+    """Every page hashes alike (the worst a crafted prompt could do to any hash): different
+    prompts never share a page, and a prompt still hits its own cached page."""
+    monkeypatch.setitem(block_manager._HASH_FNS, hash_algo, lambda parent, page: 7)
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True, hash_algo=hash_algo)
+    assert bm.allocate("a", 12)
+    bm.cache_full_blocks("a", tokens(12), 12)
+    other = tokens(12, 100)
+    assert bm.get_computed_blocks(other + [1]) == ([], 0)
+    assert bm.allocate("b", 12)
+    bm.cache_full_blocks("b", other, 12)
+    assert not set(bm.block_ids("a")) & set(bm.block_ids("b"))
+    assert bm.get_computed_blocks(tokens(4) + tokens(8, 50) + [1]) == (bm.block_ids("a")[:1], 4)
+
+
+def test_a_page_cached_under_another_prefix_is_never_a_hit(monkeypatch):
+    """A hash blind to the parent (a chain collision): the same page after another prefix misses."""
+    monkeypatch.setitem(block_manager._HASH_FNS, "builtin", lambda parent, page: hash(page))
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True, hash_algo="builtin")
+    for req, start in (("a", 0), ("b", 100)):
+        assert bm.allocate(req, 8)
+        bm.cache_full_blocks(req, tokens(8, start), 8)
+    shifted = tokens(4, 100) + tokens(4, 4)  # b's first page, then a's second page
+    assert bm.get_computed_blocks(shifted + [1]) == (bm.block_ids("b")[:1], 4)
+
+
+def test_sha256_is_the_default_and_chains_the_prefix():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    assert bm._hash_fn is block_manager._HASH_FNS["sha256"]
+    first = block_manager.page_hashes(tokens(8), 4, hash_fn=bm._hash_fn)
+    moved = block_manager.page_hashes(tokens(4, 9) + tokens(4, 4), 4, hash_fn=bm._hash_fn)
+    assert len(first[0]) == 32 and first[1] != moved[1]  # same page, other parent: other hash
 
 
 def test_bad_hash_algo_is_refused():
