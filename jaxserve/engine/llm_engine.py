@@ -383,7 +383,7 @@ class LLMEngine:
         rest. If the failure took the KV pool with it (it is donated to the call), every
         live request's KV is gone: the pool is rebuilt and the survivors recompute."""
         logger.error("Engine step failed; failing the requests in it", exc_info=error)
-        message = f"The engine failed while running this request: {type(error).__name__}: {error}"
+        message = "The engine failed while running this request (the server log has the details)."
         failed = {self._child_to_parent.get(s.request_id) for s in sched.seqs} - {None}
         outputs = []
         for rid in failed:

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from jaxserve import __version__
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineRequestError
+from jaxserve.entrypoints.openai.json_body import read_json_object
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -64,7 +65,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ValueError as e:
-        return error_response(str(e), 400, getattr(e, "param", None))
+        return error_response(str(e), getattr(e, "status", 400), getattr(e, "param", None))
     except ModelNotFound as e:
         return error_response(str(e), 404, "model")
     except web.HTTPRequestEntityTooLarge:
@@ -78,9 +79,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error_response(str(e), 500)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
-    except Exception as e:
+    except Exception:  # the trace goes to the log; the client learns nothing of the internals
         logger.exception("Unhandled error in %s %s", request.method, request.path)
-        return error_response(f"Internal server error: {type(e).__name__}: {e}", 500)
+        return error_response("Internal server error (the server log has the details).", 500)
 
 
 def _auth_middleware(api_key: str, root_path: str) -> Callable:
@@ -153,19 +154,7 @@ def _cors_middleware(args: ServerArgs) -> Callable:
 
 
 async def _parse(request: web.Request, model: type[BaseModel]) -> BaseModel:
-    return _validate(model, await _read_object(request))
-
-
-async def _read_object(request: web.Request) -> dict:
-    try:
-        data = await request.json()
-    except json.JSONDecodeError as e:
-        raise ValueError(f"The request body is not valid JSON: {e}") from None
-    except UnicodeDecodeError:
-        raise ValueError("The request body is not valid UTF-8 JSON.") from None
-    if not isinstance(data, dict):
-        raise ValueError("The request body must be a JSON object.")
-    return data
+    return _validate(model, await read_json_object(request))
 
 
 def _validate(model: type[BaseModel], data: dict) -> BaseModel:
@@ -242,7 +231,7 @@ class _Routes:
         return await self.chat.create(await _parse(request, ChatCompletionRequest), request)
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        data = await _read_object(request)
+        data = await read_json_object(request)
         body = _validate(TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest, data)
         serving = self.chat
         serving.model_name(body.model)
