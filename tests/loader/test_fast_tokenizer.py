@@ -69,7 +69,9 @@ def pair(default_gguf):
 
 def render_both(pair, conversation, **kwargs):
     ours, reference = pair
-    return ours.apply_chat_template(conversation, **kwargs), reference.apply_chat_template(conversation, **kwargs)
+    return ours.apply_chat_template(conversation, **kwargs), reference.apply_chat_template(
+        conversation, **kwargs
+    )
 
 
 @pytest.mark.parametrize(
@@ -85,7 +87,9 @@ def test_chat_templates_render_identically(pair, template, conversation):
     ):
         ours, reference = render_both(pair, conversation, chat_template=template, tokenize=False, **kwargs)
         assert ours == reference, kwargs
-    ours, reference = render_both(pair, conversation, chat_template=template, tokenize=True, return_dict=False)
+    ours, reference = render_both(
+        pair, conversation, chat_template=template, tokenize=True, return_dict=False
+    )
     assert ours == reference
     ours, reference = render_both(pair, conversation, chat_template=template, tokenize=True)
     assert ours["input_ids"] == list(reference["input_ids"])
@@ -162,7 +166,9 @@ def test_saved_files_load_back_the_same_in_both(pair, tmp_path):
         assert other.special_tokens_map == ours.special_tokens_map
         assert other.chat_template == ours.chat_template
         rendered = other.apply_chat_template(CONVERSATIONS[0], tokenize=False, add_generation_prompt=True)
-        assert rendered == ours.apply_chat_template(CONVERSATIONS[0], tokenize=False, add_generation_prompt=True)
+        assert rendered == ours.apply_chat_template(
+            CONVERSATIONS[0], tokenize=False, add_generation_prompt=True
+        )
 
 
 def test_loading_a_gguf_tokenizer_never_imports_transformers(default_gguf):

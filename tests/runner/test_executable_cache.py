@@ -48,7 +48,9 @@ def stored(cache_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(cache_dir, "jaxserve-steps", "*.pkl")))
 
 
-def test_a_second_start_loads_every_step_and_gives_the_same_tokens(tiny_llama_gqa, prompts, tmp_path, request):
+def test_a_second_start_loads_every_step_and_gives_the_same_tokens(
+    tiny_llama_gqa, prompts, tmp_path, request
+):
     path, _ = tiny_llama_gqa
     cache = str(tmp_path)
     first = run(path, cache, prompts)
