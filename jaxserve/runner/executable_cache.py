@@ -11,9 +11,10 @@ devices, and the XLA flags. A hit deserializes the executable (about a fifth of 
 The entries are pickles of executables this user's own processes wrote: the same trust as JAX's
 cache directory beside it. An entry that does not load is recompiled and overwritten.
 
-Only on the CPU for now: XLA:CPU cannot serialize again an executable it read from JAX's cache
-(the copy fails at run time, "Function ... not found"), so what is stored here is compiled
-without that cache (`fresh`), and it is the one backend where storing was checked end to end.
+Only on a single-process CPU mesh for now, where it replaces JAX's cache: XLA:CPU cannot
+serialize again an executable it read from JAX's cache (the copy fails at run time, "Function ...
+not found"), so what is stored here must be compiled without it; and the CPU is the one backend
+where storing was checked end to end.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import tempfile
 from importlib import metadata
 
 import jax
-from jax._src import config as jax_config
 from jax.experimental import serialize_executable
 
 logger = logging.getLogger(__name__)
@@ -86,11 +86,6 @@ class ExecutableCache:
         except Exception as err:  # written by another version of a dependency, or damaged
             logger.debug("Ignoring the stored step %s: %s", path, err)
             return None
-
-    @staticmethod
-    def fresh():
-        """Compile without JAX's persistent cache in this thread (what is stored must be fresh)."""
-        return jax_config.enable_compilation_cache(False)
 
     def store(self, key: tuple, compiled: jax.stages.Compiled) -> None:
         unloaded = getattr(compiled._executable, "_unloaded_executable", None)

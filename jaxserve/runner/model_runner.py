@@ -46,16 +46,21 @@ from jaxserve.sharding import make_mesh
 logger = logging.getLogger(__name__)
 
 
-def enable_compilation_cache(cache_dir: str | None) -> ExecutableCache | None:
-    """JAX's persistent compilation cache, and beside it the runner's own store of whole
-    executables (runner/executable_cache.py): a second start-up neither compiles nor traces."""
+def enable_compilation_cache(cache_dir: str | None, mesh: jax.sharding.Mesh) -> ExecutableCache | None:
+    """What makes a second start-up fast. On a single-process CPU mesh, the runner's own store
+    of whole executables (runner/executable_cache.py: neither compiled nor traced again) instead
+    of JAX's persistent cache, whose entries XLA:CPU cannot serialize again; elsewhere JAX's
+    persistent compilation cache (compiled again from disk, traced and lowered every start)."""
     if cache_dir == "":
         return None
     cache_dir = cache_dir or jaxserve_cache_dir("xla")
+    single_cpu = jax.process_count() == 1 and mesh.devices.flat[0].platform == "cpu"
+    if single_cpu and jax.config.jax_compilation_cache_dir is None:
+        return ExecutableCache(os.path.join(cache_dir, "jaxserve-steps"))
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return ExecutableCache(os.path.join(cache_dir, "jaxserve-steps"))
+    return None
 
 
 # Compiled steps shared by every runner of this process: a second engine on the same model
@@ -98,9 +103,7 @@ class ModelRunner:
         self.config = config
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         self.mesh = mesh or make_mesh(config.parallel_config.tensor_parallel_size)
-        self.executables = enable_compilation_cache(config.compilation_config.cache_dir)
-        if jax.process_count() > 1 or self.mesh.devices.flat[0].platform != "cpu":
-            self.executables = None  # see runner/executable_cache.py
+        self.executables = enable_compilation_cache(config.compilation_config.cache_dir, self.mesh)
         entry, self.args = build_model_args(mc, config.parallel_config)
         self._model_name = f"{entry.model_cls.__module__}.{entry.model_cls.__qualname__}"
         start = time.perf_counter()
@@ -229,8 +232,7 @@ class ModelRunner:
         )  # fmt: skip
         compiled = self.executables.load(stored_as, devices)
         if compiled is None:
-            with self.executables.fresh():
-                compiled = self._trace_and_compile(variant, backend, args)
+            compiled = self._trace_and_compile(variant, backend, args)
             self.executables.store(stored_as, compiled)
         return compiled
 
