@@ -142,6 +142,11 @@ class LLMEngine:
         """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
         self.enqueue(self.make_request(request_id, prompt, params, priority, arrival_time))
 
+    def check_prompt_token_ids(self, token_ids: Sequence[int]) -> None:
+        vocab = self.config.model_config.get("vocab_size")
+        if vocab is not None and any(t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"Prompt token ids must be in [0, {vocab}).")
+
     def make_request(
         self,
         request_id: str,
@@ -158,11 +163,9 @@ class LLMEngine:
             raise ValueError("priority is only honoured with scheduling_policy='priority'.")
         text, token_ids = self.tokenize_prompt(prompt)
         max_len = self.config.model_config.max_model_len
-        vocab = self.config.model_config.get("vocab_size")
         if not token_ids:
             raise ValueError("The prompt is empty.")
-        if vocab is not None and any(t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"Prompt token ids must be in [0, {vocab}).")
+        self.check_prompt_token_ids(token_ids)
         if len(token_ids) >= max_len:
             raise ValueError(
                 f"The prompt has {len(token_ids)} tokens; max_model_len is {max_len}, which leaves no room "

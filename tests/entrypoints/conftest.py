@@ -15,7 +15,7 @@ from tiny_models import engine_kwargs
 from jaxserve.args import EngineArgs
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.entrypoints.openai.api_server import build_app
+from jaxserve.entrypoints.openai.api_server import HANDLER_SETTINGS, build_app
 from jaxserve.entrypoints.openai.server_args import ServerArgs
 from jaxserve.sampling_params import SamplingParams
 
@@ -58,7 +58,7 @@ async def make_server(llm_engine, reference):
         engine = AsyncLLMEngine(llm_engine)
         kwargs = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
         app = build_app(engine, ServerArgs(**{"disable_log_stats": True, **server_args}), **kwargs)
-        server = TestServer(app, host="127.0.0.1")
+        server = TestServer(app, host="127.0.0.1", **HANDLER_SETTINGS)
         await server.start_server(ssl=ssl)
         server.engine = engine
         servers.append(server)

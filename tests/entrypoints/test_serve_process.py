@@ -79,6 +79,8 @@ async def _wait_healthy(proc, url: str, log, timeout: float = 180.0) -> None:
 
 
 async def test_sigterm_drains_running_requests_and_exits_0(server_process):
+    """20 streams in flight (8 running, the rest waiting): on SIGTERM every one still ends with a
+    finish_reason, new connections are refused, and the process exits 0 within the drain time."""
     proc, url, log = server_process
     await _wait_healthy(proc, url, log)
     body = {
@@ -88,22 +90,32 @@ async def test_sigterm_drains_running_requests_and_exits_0(server_process):
         "ignore_eos": True,
         "stream": True,
     }
-    async with aiohttp.ClientSession() as session:
-        async with session.post(url + "v1/completions", json=body) as r:
-            assert r.status == 200
-            first = await r.content.readuntil(b"\n\n")
-            assert first.startswith(b"data: {")
-            proc.send_signal(signal.SIGTERM)
-            rest = (await r.content.read()).decode()
-        events = [
-            json.loads(f[6:]) for f in (first.decode() + rest).split("\n\n") if f and f != "data: [DONE]"
-        ]
-        assert rest.endswith("data: [DONE]\n\n")
-        assert events[-1]["choices"][0]["finish_reason"] == "length"  # the stream ran to the end
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        started = asyncio.Event()
+
+        async def stream() -> list[dict]:
+            async with session.post(url + "v1/completions", json=body) as r:
+                assert r.status == 200
+                text = ""
+                async for chunk in r.content.iter_any():
+                    text += chunk.decode()
+                    started.set()
+            assert text.endswith("data: [DONE]\n\n")
+            return [json.loads(f[6:]) for f in text.split("\n\n") if f and f != "data: [DONE]"]
+
+        streams = [asyncio.ensure_future(stream()) for _ in range(20)]
+        await asyncio.wait_for(started.wait(), 60)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        await asyncio.sleep(1.0)
+        assert not all(s.done() for s in streams)  # still draining, and yet:
+        with pytest.raises(aiohttp.ClientConnectionError):  # no new connection is taken
+            async with aiohttp.ClientSession() as other:
+                await other.get(url + "health")
+        results = await asyncio.wait_for(asyncio.gather(*streams), 60)
+    assert all(events[-1]["choices"][0]["finish_reason"] == "length" for events in results)
     assert proc.wait(timeout=60) == 0
-    with pytest.raises(aiohttp.ClientConnectionError):
-        async with aiohttp.ClientSession() as session:
-            await session.get(url + "health")
+    assert time.monotonic() - signalled < 30  # the drain time (SHUTDOWN_TIMEOUT_S)
 
 
 def _offline_texts(model: str, prompts: list[list[int]]) -> list[str]:

@@ -45,6 +45,9 @@ BAD_BODIES = [
     ("v1/completions", {"prompt": [5] * 256, "max_tokens": 1}, 400, ["256 tokens", "256 input tokens"], None),
     ("v1/completions", {"prompt": [], "max_tokens": 1}, 400, ["prompt"], None),
     ("v1/completions", {"prompt": [10**6], "max_tokens": 1}, 400, ["[0, 512)"], None),
+    # found by fuzzing: token ids the tokenizer cannot even hold reached its decode (500)
+    ("v1/completions", {"prompt": [-153, 3], "max_tokens": 1}, 400, ["[0, 512)"], None),
+    ("v1/completions", {"prompt": [[3], [2**70]], "max_tokens": 1}, 400, ["[0, 512)"], None),
     ("v1/completions", {"prompt": "x", "logprobs": 21}, 400, ["logprobs of 21", "max allowed: 20"], None),
     ("v1/completions", {"prompt": "x", "logprobs": -1}, 400, ["logprobs"], "logprobs"),
     ("v1/completions", {"prompt": "x", "logprobs": 21, "stream": True}, 400, ["max allowed: 20"], None),
@@ -62,6 +65,9 @@ BAD_BODIES = [
      None),
     ("v1/completions", {"prompt": "x", "n": 1, "best_of": 3, "stream": True}, 400, ["best_of"], "best_of"),
     ("v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, 400, ["best_of", ">= n"], None),
+    # each is a sequence with its own state: bounded, or one body could hold millions
+    ("v1/completions", {"prompt": "x", "best_of": 10**7}, 400, ["best_of"], "best_of"),
+    ("v1/completions", {"prompt": [[3]] * 2049, "max_tokens": 1}, 400, ["2049 prompts", "2048"], "prompt"),
     ("v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 2}, 400, ["min_tokens"], None),
     ("v1/completions", {"prompt": "x", "stop": [""]}, 400, ["stop"], None),
     ("v1/chat/completions", {"messages": []}, 400, ["messages"], "messages"),

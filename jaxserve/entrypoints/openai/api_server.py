@@ -19,6 +19,7 @@ import ssl
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from http import HTTPStatus
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -27,6 +28,7 @@ from jaxserve import __version__
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineRequestError
 from jaxserve.entrypoints.openai.json_body import read_json_object
 from jaxserve.entrypoints.openai.protocol import (
+    ERROR_RESPONSE_SCHEMA,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -46,6 +48,15 @@ logger = logging.getLogger("jaxserve.entrypoints.openai.api_server")
 
 # Request bodies above this are refused with 413 before they are read in full.
 MAX_BODY_BYTES = 32 << 20
+# A header line longer than this is a 4xx (aiohttp's own default, about uvicorn's).
+MAX_HEADER_LINE_BYTES = 8190
+# How the HTTP server treats connections: idle keep-alive connections close after 5 s (what
+# vLLM's uvicorn does), a header line may not pass MAX_HEADER_LINE_BYTES.
+HANDLER_SETTINGS = {
+    "keepalive_timeout": 5.0,
+    "max_line_size": MAX_HEADER_LINE_BYTES,
+    "max_field_size": MAX_HEADER_LINE_BYTES,
+}
 STATS_LOG_INTERVAL_S = 10.0
 SHUTDOWN_TIMEOUT_S = 30.0
 
@@ -266,20 +277,50 @@ def openapi_document(root_path: str | None = None) -> dict:
         ref = {"$ref": f"#/components/schemas/{model.__name__}"}
         return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
-    ok = {"responses": {"200": {"description": "Successful Response"}}}
+    def answers(*content_types: str, errors: tuple[str, ...] = ()) -> dict:
+        """200 with these content types, and the OpenAI-style error body for `errors` (a client
+        mistake is always a 4xx with it; a 5xx would be a server bug)."""
+        error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+        responses = {"200": {"description": "Successful Response"}}
+        if content_types:
+            responses["200"]["content"] = {t: {} for t in content_types}
+        for status in errors:
+            responses[status] = {"description": HTTPStatus(int(status)).phrase, **error}
+        return {"responses": responses}
+
+    client_errors = ("400", "404", "413", "415")
+    generation = answers("application/json", "text/event-stream", errors=client_errors)
     paths = {
-        "/health": {"get": {"summary": "Health", **ok}},
-        "/ping": {"get": {"summary": "Ping", **ok}, "post": {"summary": "Ping", **ok}},
-        "/version": {"get": {"summary": "Version", **ok}},
-        "/metrics": {"get": {"summary": "Prometheus metrics", **ok}},
-        "/v1/models": {"get": {"summary": "List models", **ok}},
-        "/v1/completions": {"post": {"summary": "Create completion", **body(CompletionRequest), **ok}},
-        "/v1/chat/completions": {
-            "post": {"summary": "Create chat completion", **body(ChatCompletionRequest), **ok}
+        "/health": {"get": {"summary": "Health", **answers(errors=("503",))}},
+        "/ping": {
+            "get": {"summary": "Ping", **answers(errors=("503",))},
+            "post": {"summary": "Ping", **answers(errors=("503",))},
         },
-        "/tokenize": {"post": {"summary": "Tokenize", **body(TokenizeCompletionRequest), **ok}},
-        "/detokenize": {"post": {"summary": "Detokenize", **body(DetokenizeRequest), **ok}},
+        "/version": {"get": {"summary": "Version", **answers("application/json")}},
+        "/metrics": {"get": {"summary": "Prometheus metrics", **answers("text/plain")}},
+        "/v1/models": {"get": {"summary": "List models", **answers("application/json")}},
+        "/v1/completions": {
+            "post": {"summary": "Create completion", **body(CompletionRequest), **generation}
+        },
+        "/v1/chat/completions": {
+            "post": {"summary": "Create chat completion", **body(ChatCompletionRequest), **generation}
+        },
+        "/tokenize": {
+            "post": {
+                "summary": "Tokenize",
+                **body(TokenizeCompletionRequest),
+                **answers("application/json", errors=client_errors),
+            }
+        },
+        "/detokenize": {
+            "post": {
+                "summary": "Detokenize",
+                **body(DetokenizeRequest),
+                **answers("application/json", errors=client_errors),
+            }
+        },
     }
+    schemas["ErrorResponse"] = ERROR_RESPONSE_SCHEMA
     doc = {
         "openapi": "3.1.0",
         "info": {"title": "jaxserve OpenAI-compatible API", "version": __version__},
@@ -436,6 +477,7 @@ def run_server(engine_args, server_args: ServerArgs) -> int:
         handler_cancellation=True,
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         print=None,
+        **HANDLER_SETTINGS,
     )
     channel = engine.engine.runner.channel  # the other processes, if any, stop with this one
     if channel is not None:

@@ -15,17 +15,11 @@ import json
 
 from aiohttp import web
 
+from jaxserve.entrypoints.openai.protocol import bad_request
+
 # Deeper than any request the API defines (a JSON schema in a tool or response_format nests a
 # few dozen levels at most), far below what exhausts a stack.
 MAX_DEPTH = 64
-
-
-class BodyError(ValueError):
-    """A client's body refused with `status`, about `param` when one field is to blame."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
-        super().__init__(message)
-        self.status, self.param = status, param
 
 
 def is_json_content_type(content_type: str) -> bool:
@@ -36,20 +30,22 @@ def is_json_content_type(content_type: str) -> bool:
 
 async def read_json_object(request: web.Request) -> dict:
     if not is_json_content_type(request.content_type):
-        raise BodyError(
-            f"Unsupported Content-Type {request.content_type!r}: send the body as application/json.", 415
+        err = bad_request(
+            f"Unsupported Content-Type {request.content_type!r}: send the body as application/json."
         )
+        err.status = 415  # the middleware answers a ValueError with its status, else 400
+        raise err
     raw = await request.read()
     try:
         data = json.loads(raw)
     except UnicodeDecodeError:
-        raise BodyError("The request body is not valid UTF-8 JSON.") from None
+        raise bad_request("The request body is not valid UTF-8 JSON.") from None
     except json.JSONDecodeError as e:
-        raise BodyError(f"The request body is not valid JSON: {e}") from None
+        raise bad_request(f"The request body is not valid JSON: {e}") from None
     except RecursionError:
-        raise BodyError(f"The request body nests deeper than {MAX_DEPTH} levels.") from None
+        raise bad_request(f"The request body nests deeper than {MAX_DEPTH} levels.") from None
     if not isinstance(data, dict):
-        raise BodyError("The request body must be a JSON object.")
+        raise bad_request("The request body must be a JSON object.")
     check_json_value(data)
     return data
 
@@ -60,7 +56,7 @@ def check_json_value(data: dict | list) -> None:
     while stack:
         value, path, depth = stack.pop()
         if depth > MAX_DEPTH:
-            raise BodyError(
+            raise bad_request(
                 f"The request body nests deeper than {MAX_DEPTH} levels (at {path or 'the top'})."
             )
         items = value.items() if isinstance(value, dict) else enumerate(value)
@@ -78,7 +74,7 @@ def _check_text(text: str, where: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise BodyError(
+        raise bad_request(
             f"{where}: the string is not valid Unicode (a lone surrogate such as \\ud800).",
             param=where.split(".")[0].split("[")[0],
         ) from None

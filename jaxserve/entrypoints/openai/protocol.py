@@ -38,6 +38,24 @@ def error_body(message: str, status: int = 400, param: str | None = None) -> dic
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 
+ERROR_RESPONSE_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": "integer"},
+            },
+        }
+    },
+}
+
+
 def validation_message(error: ValidationError) -> tuple[str, str | None]:
     """One readable line for a pydantic error, and the top-level field it is about."""
     first = error.errors()[0]
@@ -86,7 +104,7 @@ class _SamplingRequest(OpenAIBaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extra sampling fields
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=128)  # each is a sequence: bounded as n is
     use_beam_search: bool = False
     top_k: int | None = None
     min_p: float | None = None
@@ -199,6 +217,10 @@ class _SamplingRequest(OpenAIBaseModel):
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
+# Prompts one completion request may batch: each becomes n sequences with their own state.
+MAX_PROMPTS_PER_REQUEST = 2048
+
+
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(union_mode="left_to_right")
     max_tokens: int | None = Field(16, ge=1)
@@ -225,6 +247,11 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("prompt must not be empty.")
         if isinstance(p[0], int):
             return [list(p)]
+        if len(p) > MAX_PROMPTS_PER_REQUEST:
+            raise bad_request(
+                f"prompt holds {len(p)} prompts; one request may batch at most {MAX_PROMPTS_PER_REQUEST}.",
+                "prompt",
+            )
         return list(p)
 
 

@@ -145,6 +145,7 @@ class OpenAIServing:
         return {"prompt": text, "prompt_token_ids": ids[-truncate:] if truncate else ids}
 
     def token_prompt(self, ids: Sequence[int], truncate: int | None = None) -> Prompt:
+        self.engine.engine.check_prompt_token_ids(ids)  # before the tokenizer sees them
         text = self.tokenizer.decode(ids) if self.tokenizer is not None else None
         ids = list(ids)
         return {"prompt": text, "prompt_token_ids": ids[-truncate:] if truncate else ids}

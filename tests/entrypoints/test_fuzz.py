@@ -1,0 +1,74 @@
+"""The server's own OpenAPI document, fuzzed: no generated request gets a 5xx or a response the
+document does not describe.
+
+schemathesis generates, for every operation, bodies that fit the request schemas and bodies that
+break them (wrong types, missing fields, out-of-range values, odd strings); each is sent to a real
+server on loopback over the tiny engine, with generation capped short. The hand-written cases in
+test_server_errors.py are the corpus of what fuzzing found before; grow it with every new find.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+import schemathesis
+from aiohttp import web
+from hypothesis import HealthCheck, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.entrypoints.openai.api_server import build_app, openapi_document
+from jaxserve.entrypoints.openai.server_args import ServerArgs
+
+pytestmark = pytest.mark.fuzz
+
+schema = schemathesis.openapi.from_dict(openapi_document())
+schema.config.generation.update(modes=list(GenerationMode), max_examples=40)
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+
+
+@pytest.fixture(scope="module")
+def base_url(llm_engine):
+    """A real server in a thread of its own (schemathesis calls it synchronously)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    loop = asyncio.new_event_loop()
+    engine = AsyncLLMEngine(llm_engine)
+    runner = web.AppRunner(build_app(engine, ServerArgs(disable_log_stats=True, disable_log_requests=True)))
+    ready = threading.Event()
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(60)
+    yield f"http://127.0.0.1:{port}"
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(60)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(60)
+    assert not llm_engine.has_unfinished_requests()
+
+
+@schema.parametrize()
+@settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_no_request_gets_a_5xx_or_an_undocumented_answer(case, base_url):
+    if isinstance(case.body, dict):  # generation capped short: the point is the parsing, not the model
+        key = "max_completion_tokens" if "messages" in case.body else "max_tokens"
+        if case.body.get(key) is None or (isinstance(case.body[key], int) and case.body[key] > 4):
+            case.body[key] = 4
+    case.call_and_validate(base_url=base_url, checks=CHECKS, timeout=30)
