@@ -32,7 +32,7 @@ from jaxserve.entrypoints.openai.server_args import ServerArgs
 pytestmark = pytest.mark.fuzz
 
 schema = schemathesis.openapi.from_dict(openapi_document())
-schema.config.generation.update(modes=list(GenerationMode), max_examples=40)
+schema.config.generation.update(modes=list(GenerationMode), max_examples=25)
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 
