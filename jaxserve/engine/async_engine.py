@@ -33,6 +33,7 @@ from jaxserve.beam_search import (
     start_search,
     step_params,
 )
+from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import EngineDeadError, LLMEngine, ParentRequest, PromptType
 from jaxserve.engine.router import Router
 from jaxserve.engine.stats import IterationStats, SchedulerStats
@@ -161,6 +162,32 @@ class AsyncLLMEngine:
     @property
     def num_requests(self) -> int:
         return len(self._streams)
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """Sampling fields the model's generation config sets, for requests that leave them out."""
+        return self.engine.sampling_defaults
+
+    def check_prompt_token_ids(self, token_ids: Sequence[int]) -> None:
+        """ValueError for ids outside the vocabulary (before a tokenizer is asked to decode them)."""
+        self.engine.check_prompt_token_ids(token_ids)
+
+    def close_workers(self) -> None:
+        """Tell the other processes of a multi-process engine, if any, to stop with this one."""
+        channel = self.engine.runner.channel
+        if channel is not None:
+            from jaxserve import distributed
+
+            distributed.closing()
+            channel.publish("stop")
 
     # ---- requests ------------------------------------------------------------------------
 

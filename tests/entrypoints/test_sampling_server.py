@@ -7,9 +7,7 @@ from __future__ import annotations
 import pytest
 from conftest import MAX_TOKENS, MODEL, PROMPTS
 
-from jaxserve.engine.async_engine import AsyncLLMEngine
-from jaxserve.entrypoints.openai.server_args import ServerArgs
-from jaxserve.entrypoints.openai.serving_engine import OpenAIServing
+from jaxserve.entrypoints.openai.logprobs import LogprobFormatter
 from jaxserve.outputs import Logprob
 from jaxserve.sampling_params import SamplingParams
 
@@ -234,17 +232,17 @@ async def test_tokens_as_token_ids(make_server, offline):
 
 
 def test_partial_characters_keep_their_raw_bytes(llm_engine):
-    serving = OpenAIServing(AsyncLLMEngine(llm_engine), ServerArgs())
     tok = llm_engine.tokenizer
+    formatter = LogprobFormatter(tok)
     text = "日本語 🙂 café"
     ids = tok.encode(text, add_special_tokens=False)
     pieces = [tok.convert_tokens_to_string([t]) for t in tok.convert_ids_to_tokens(ids)]
     assert any("\ufffd" in p for p in pieces), "the test text should split a character"
-    data = [serving.token_bytes(t, Logprob(0.0, 1, p)) for t, p in zip(ids, pieces, strict=True)]
+    data = [formatter.token_bytes(t, Logprob(0.0, 1, p)) for t, p in zip(ids, pieces, strict=True)]
     assert bytes(b for piece in data for b in piece) == text.encode()
-    assert [serving.token_text(t, Logprob(0.0, 1, p), False) for t, p in zip(ids, pieces)] == pieces
-    assert serving.token_text(ids[0], None, True) == f"token_id:{ids[0]}"
-    assert serving.token_text(ids[0], None, False) == tok.decode([ids[0]])
+    assert [formatter.token_text(t, Logprob(0.0, 1, p), False) for t, p in zip(ids, pieces)] == pieces
+    assert formatter.token_text(ids[0], None, True) == f"token_id:{ids[0]}"
+    assert formatter.token_text(ids[0], None, False) == tok.decode([ids[0]])
 
 
 async def test_logit_bias_and_allowed_token_ids_steer_the_sampler(client, reference, llm_engine):

@@ -14,8 +14,10 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from jaxserve.entrypoints.openai.logprobs import prompt_logprobs
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, now
-from jaxserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt, sse_response
+from jaxserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt
+from jaxserve.entrypoints.openai.sse import sse_response
 from jaxserve.outputs import RequestOutput
 
 
@@ -69,15 +71,16 @@ class OpenAIServingChat(OpenAIServing):
         ]
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         usage = self.usage(prompt_tokens, completion_tokens, final.num_cached_tokens)
-        prompt_logprobs = self.prompt_logprobs(final)
         return web.json_response(
-            {**head, "choices": choices, "usage": usage, "prompt_logprobs": prompt_logprobs}
+            {**head, "choices": choices, "usage": usage, "prompt_logprobs": prompt_logprobs(final)}
         )
 
     def _logprobs(self, body: ChatCompletionRequest, token_ids, entries) -> dict | None:
         if not body.logprobs:
             return None
-        return self.chat_logprobs(token_ids, entries or [], body.top_logprobs or 0, self.as_token_ids(body))
+        return self.logprob_formatter.chat_logprobs(
+            token_ids, entries or [], body.top_logprobs or 0, self.as_token_ids(body)
+        )
 
     @staticmethod
     def _echo_text(body: ChatCompletionRequest, role: str) -> str:

@@ -13,8 +13,10 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from jaxserve.entrypoints.openai.logprobs import prompt_logprobs
 from jaxserve.entrypoints.openai.protocol import CompletionRequest, now
-from jaxserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt, sse_response
+from jaxserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt
+from jaxserve.entrypoints.openai.sse import sse_response
 from jaxserve.outputs import CompletionOutput, RequestOutput
 
 
@@ -53,16 +55,16 @@ class OpenAIServingCompletion(OpenAIServing):
         choices, completion_tokens, cached = [], 0, 0
         for i, out in enumerate(finals):
             cached += out.num_cached_tokens
-            prompt_logprobs = self.prompt_logprobs(out)
+            out_prompt_logprobs = prompt_logprobs(out)
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 text = (prompts[i]["prompt"] or "") + c.text if body.echo else c.text
                 logprobs = None
                 if body.logprobs is not None:
                     ids, entries = self._logprob_tokens(out, c, 0, echo=body.echo)
-                    logprobs, _ = self.completion_logprobs(ids, entries, as_ids)
+                    logprobs, _ = self.logprob_formatter.completion_logprobs(ids, entries, as_ids)
                 choice = _choice(i * body.n + c.index, text, logprobs, c.finish_reason, c.stop_reason)
-                choice["prompt_logprobs"] = prompt_logprobs
+                choice["prompt_logprobs"] = out_prompt_logprobs
                 choices.append(choice)
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         return web.json_response(
@@ -117,13 +119,15 @@ class OpenAIServingCompletion(OpenAIServing):
                         ids, entries = self._logprob_tokens(out, c, start, echo=first and body.echo)
                         logged[index] = len(c.token_ids)
                         if ids:
-                            logprobs, offsets[index] = self.completion_logprobs(
+                            logprobs, offsets[index] = self.logprob_formatter.completion_logprobs(
                                 ids, entries, as_ids, offsets.get(index, 0)
                             )
                     if not delta and logprobs is None and c.finish_reason is None:
                         continue
                     if wants_logprobs and logprobs is None:
-                        logprobs = self.completion_logprobs([], [], as_ids, offsets.get(index, 0))[0]
+                        logprobs = self.logprob_formatter.completion_logprobs(
+                            [], [], as_ids, offsets.get(index, 0)
+                        )[0]
                     chunk = {
                         **head,
                         "choices": [_choice(index, delta, logprobs, c.finish_reason, c.stop_reason)],
