@@ -11,270 +11,65 @@ dtype, length) once.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-import json
 import logging
-import os
-import re
 from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any
 
 from jaxserve.config import (
     ATTENTION_BACKENDS,
     CacheConfig,
     CompilationConfig,
     EngineConfig,
-    ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
+from jaxserve.flags import ANY, G, arg, as_dict, check_flag_values, parse_human_int
+from jaxserve.model_resolution import DTYPES, model_config_from_args, platform
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {
-    "auto": None,
-    "half": "float16",
-    "float16": "float16",
-    "bfloat16": "bfloat16",
-    "float": "float32",
-    "float32": "float32",
-}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "orbax", "dummy")
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
-
-
-class _AnyValue(tuple):
-    """`supported=ANY`: every value is honoured, e.g. a budget that only a refused feature would use."""
-
-    def __contains__(self, value: object) -> bool:
-        return True
-
-    def __repr__(self) -> str:
-        return "any value"
-
-
-ANY = _AnyValue()
-
-
-def arg(
-    group: str,
-    default: Any = None,
-    help: str = "",
-    *,
-    tier: str = "A",
-    choices: tuple | None = None,
-    supported: tuple | None = None,
-    short: str | None = None,
-    factory: Any = None,
-    json_value: bool = False,
-    **argparse_kwargs: Any,
-) -> Any:
-    """A dataclass field that is also a vLLM flag, so that adding a field adds the flag.
-
-    group: vLLM's help group. tier: "A" works; "B" accepts only `supported` (by
-    default: only the default) and refuses any other value by name; "C" is accepted and warned
-    about, it has no effect on JAX. choices: vLLM's full value list, so an existing command line
-    parses and the values jaxserve lacks are refused by name rather than called invalid.
-    json_value: the flag takes one JSON value (vLLM's spelling for list flags such as CORS).
-    Further keywords go to argparse unchanged.
-    """
-    metadata = {
-        "group": group,
-        "help": help,
-        "tier": tier,
-        "choices": choices,
-        "supported": supported,
-        "short": short,
-        "json_value": json_value,
-        "argparse": argparse_kwargs,
-    }
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def field_default(f: dataclasses.Field) -> Any:
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
-
-
-def flag_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def check_flag_values(args: Any) -> list[str]:
-    """Refuse a value of an `arg` field that jaxserve cannot honour (ValueError, one line naming
-    the flag and what is supported); return one warning per tier-C flag set, for the caller to
-    log once. A value equal to the default asks for nothing and passes."""
-    warnings = []
-    for f in dataclasses.fields(args):
-        meta, value, default = f.metadata, getattr(args, f.name), field_default(f)
-        if not meta or value == default:
-            continue
-        if meta["tier"] == "C":
-            warnings.append(f"{flag_name(f.name)} has no effect in jaxserve; ignoring {f.name}={value!r}.")
-            continue
-        allowed = meta["supported"]
-        if allowed is None:
-            allowed = (default,) if meta["tier"] == "B" else meta["choices"]
-        if allowed is not None and value not in allowed:
-            raise ValueError(
-                f"{flag_name(f.name)}={value!r} ({f.name}) is not supported by jaxserve yet; "
-                f"supported: {', '.join(repr(v) for v in allowed)}."
-            )
-    return warnings
-
-
-def parse_model_len(value: int | str | None) -> int | None:
-    """vLLM's human-friendly lengths: 1k = 1000, 1K = 1024, 25.6k = 25600."""
-    return parse_human_int(value, "max_model_len", "a length (e.g. 2048, 1k, 1K, 25.6k)")
-
-
-def parse_human_int(
-    value: int | str | None, name: str, what: str = "a size (e.g. 1G, 512M, 1.5g)"
-) -> int | None:
-    """vLLM's human-readable integers: a lower-case suffix is decimal (1k = 1000), an upper-case
-    one binary (1K = 1024), up to g/G."""
-    if value is None or isinstance(value, int):
-        return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(value))
-    if not m:
-        raise ValueError(f"{name} {value!r} is not {what}.")
-    number, suffix = float(m.group(1)), m.group(2)
-    scale = {"": 1, "k": 1000, "K": 1024, "m": 10**6, "M": 1 << 20, "g": 10**9, "G": 1 << 30}[suffix]
-    return int(number * scale)
-
-
-def _as_dict(value: Any, name: str) -> dict:
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{name} must be a JSON object: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}.")
-    return value
-
-
-def _platform() -> str:
-    import jax
-
-    return jax.devices()[0].platform
-
-
-def resolve_model_path(
-    model: str | None, revision: str | None = None, download_dir: str | None = None
-) -> str:
-    """A local directory or .gguf file for `model`; hub ids resolve from the local HF cache only
-    (`download_dir` when given, as vLLM's --download-dir)."""
-    if model is None:
-        from jaxserve.loader.default_model import default_model_path
-
-        try:
-            return default_model_path()
-        except RuntimeError as err:  # no network, say: the message says what to do instead
-            raise ValueError(str(err)) from err
-    if os.path.exists(model):
-        return model
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(model, revision=revision, cache_dir=download_dir, local_files_only=True)
-    except Exception:
-        raise ValueError(
-            f"model {model!r} is neither a local path (directory or .gguf file) nor in the local "
-            "Hugging Face cache; jaxserve does not download models."
-        ) from None
-
-
-def _checkpoint_dtype(hf_config: dict) -> str:
-    name = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32").replace("torch.", "")
-    return {"float": "float32", "half": "float16"}.get(name, name)
-
-
-def _with_rope_flags(hf_config: dict, rope_scaling: dict, rope_theta: float | None) -> dict:
-    """--rope-scaling replaces the config's scaling and --rope-theta its base, as vLLM does.
-
-    Both spellings are written: the older `rope_scaling`/`rope_theta` and transformers 5's
-    `rope_parameters`, which rotary.py prefers when a checkpoint has it.
-    """
-    hf_config = dict(hf_config)
-    params = dict(hf_config.get("rope_parameters") or {})
-    if rope_scaling:
-        hf_config["rope_scaling"] = dict(rope_scaling)
-        if params:
-            kept = {k: params[k] for k in ("rope_theta", "partial_rotary_factor") if k in params}
-            params = {**kept, **rope_scaling}
-    if rope_theta is not None:
-        hf_config["rope_theta"] = float(rope_theta)
-        if params:
-            params["rope_theta"] = float(rope_theta)
-    if params:
-        hf_config["rope_parameters"] = params
-    return hf_config
-
-
-_MODEL, _LOAD, _DECODING, _PARALLEL, _CACHE = (
-    "ModelConfig",
-    "LoadConfig",
-    "DecodingConfig",
-    "ParallelConfig",
-    "CacheConfig",
-)
-_MM, _LORA, _PA, _DEVICE = "MultiModalConfig", "LoRAConfig", "PromptAdapterConfig", "DeviceConfig"
-_SPEC, _OBS, _SCHED = "SpeculativeConfig", "ObservabilityConfig", "SchedulerConfig"
-_COMP, _VLLM, _TOKPOOL, _VISION = (
-    "CompilationConfig",
-    "VllmConfig",
-    "TokenizerPoolConfig",
-    "VisionLanguageConfig",
-)
-# vLLM's help groups, in the order `vllm serve --help` shows them (the last two: older releases').
-GROUPS = (
-    "Frontend", _MODEL, _LOAD, _DECODING, _PARALLEL, _CACHE, _MM, _LORA, _PA, _DEVICE, _SPEC, _OBS, _SCHED,
-    _COMP, _VLLM, _TOKPOOL, _VISION,
-)  # fmt: skip
 
 
 @dataclass
 class EngineArgs:
     # ---- ModelConfig
     model: str | None = arg(
-        _MODEL,
+        G.MODEL,
         None,
         "HF repo id (local HF cache only), model directory or .gguf file; unset = the default model "
         "(SmolLM2-135M-Instruct).",
     )
-    served_model_name: str | list[str] | None = arg(_MODEL, None, "Name(s) the model answers to in the API.")
-    tokenizer: str | None = arg(_MODEL, None, "Tokenizer directory or .gguf file; unset = the model's.")
+    served_model_name: str | list[str] | None = arg(G.MODEL, None, "Name(s) the model answers to in the API.")
+    tokenizer: str | None = arg(G.MODEL, None, "Tokenizer directory or .gguf file; unset = the model's.")
     tokenizer_mode: str = arg(
-        _MODEL,
+        G.MODEL,
         "auto",
         "Tokenizer implementation.",
         choices=("auto", "slow", "mistral", "custom"),
         supported=("auto", "slow"),
     )
-    revision: str | None = arg(_MODEL, None, "Model revision in the local HF cache.")
-    tokenizer_revision: str | None = arg(_MODEL, None, "Tokenizer revision in the local HF cache.")
-    trust_remote_code: bool = arg(_MODEL, False, "Trust custom code of a HF checkpoint.")
-    hf_overrides: dict | str | None = arg(_MODEL, help="JSON object merged into the HF config.", factory=dict)
+    revision: str | None = arg(G.MODEL, None, "Model revision in the local HF cache.")
+    tokenizer_revision: str | None = arg(G.MODEL, None, "Tokenizer revision in the local HF cache.")
+    trust_remote_code: bool = arg(G.MODEL, False, "Trust custom code of a HF checkpoint.")
+    hf_overrides: dict | str | None = arg(
+        G.MODEL, help="JSON object merged into the HF config.", factory=dict
+    )
     dtype: str = arg(
-        _MODEL,
+        G.MODEL,
         "auto",
         "Weight and activation dtype; auto = the checkpoint's (float32 on CPU).",
         choices=tuple(DTYPES),
     )
     max_model_len: int | str | None = arg(
-        _MODEL,
+        G.MODEL,
         None,
         "Context length (prompt + output); accepts 2048, 1k, 1K, 25.6k. Unset = the model's "
         "max_position_embeddings.",
     )
-    seed: int = arg(_MODEL, 0, "Engine random seed.")
+    seed: int = arg(G.MODEL, 0, "Engine random seed.")
     load_format: str = arg(
-        _LOAD,
+        G.LOAD,
         "auto",
         "Weight format; auto picks from the file; dummy = random weights of the real shapes.",
         choices=(
@@ -294,21 +89,21 @@ class EngineArgs:
         ),  # fmt: skip
         supported=LOAD_FORMATS,
     )
-    use_tqdm_on_load: bool = arg(_LOAD, True, "Show a progress bar while loading weights.")
+    use_tqdm_on_load: bool = arg(G.LOAD, True, "Show a progress bar while loading weights.")
     generation_config: str = arg(
-        _MODEL, "auto", "Where default sampling settings come from: auto (the model's), vllm, or a dir."
+        G.MODEL, "auto", "Where default sampling settings come from: auto (the model's), vllm, or a dir."
     )
     override_generation_config: dict | str | None = arg(
-        _MODEL, help="JSON object overriding the generation config.", factory=dict
+        G.MODEL, help="JSON object overriding the generation config.", factory=dict
     )
-    max_logprobs: int = arg(_MODEL, 20, "Largest logprobs a request may ask for.")
-    skip_tokenizer_init: bool = arg(_MODEL, False, "Do not load a tokenizer (token-id prompts only).")
+    max_logprobs: int = arg(G.MODEL, 20, "Largest logprobs a request may ask for.")
+    skip_tokenizer_init: bool = arg(G.MODEL, False, "Do not load a tokenizer (token-id prompts only).")
     enforce_eager: bool = arg(
-        _MODEL, False, "Compile shapes lazily on first use instead of precompiling every bucket."
+        G.MODEL, False, "Compile shapes lazily on first use instead of precompiling every bucket."
     )
-    max_seq_len_to_capture: int = arg(_MODEL, 8192, "Longest context covered by the precompiled buckets.")
+    max_seq_len_to_capture: int = arg(G.MODEL, 8192, "Longest context covered by the precompiled buckets.")
     attention_backend: str = arg(
-        _MODEL,
+        G.MODEL,
         "auto",
         "Ragged paged attention implementation (a jaxserve flag): auto = the Pallas kernel of the "
         "platform (TPU, GPU), the pure-jnp reference on CPU; reference; pallas (refused where there "
@@ -317,38 +112,38 @@ class EngineArgs:
         choices=ATTENTION_BACKENDS,
     )
     compilation_config: dict | str | None = arg(
-        _COMP,
+        G.COMP,
         help='JSON object: token_buckets, seq_buckets, cache_dir (e.g. \'{"cache_dir": ""}\').',
         short="-O",
         factory=dict,
     )
     # ---- CacheConfig
     block_size: int | None = arg(
-        _CACHE, None, "Tokens per KV-cache page; unset = the platform default (16).", choices=BLOCK_SIZES
+        G.CACHE, None, "Tokens per KV-cache page; unset = the platform default (16).", choices=BLOCK_SIZES
     )
-    gpu_memory_utilization: float = arg(_CACHE, 0.9, "Share of accelerator memory for weights and KV pages.")
+    gpu_memory_utilization: float = arg(G.CACHE, 0.9, "Share of accelerator memory for weights and KV pages.")
     num_gpu_blocks_override: int | None = arg(
-        _CACHE, None, "Exact number of KV-cache pages (overrides the memory budget)."
+        G.CACHE, None, "Exact number of KV-cache pages (overrides the memory budget)."
     )
     kv_cache_memory_bytes: int | str | None = arg(
-        _CACHE,
+        G.CACHE,
         None,
         "KV-cache bytes per device, instead of what --gpu-memory-utilization leaves; accepts 1G, "
         "512M, 1.5g. Unset on CPU = 1 GiB.",
     )
     # Only swap preemption would use this host budget, and it is refused: any size is honoured.
-    swap_space: float = arg(_CACHE, 4, "GiB of host memory for preempted KV pages.", tier="B", supported=ANY)
+    swap_space: float = arg(G.CACHE, 4, "GiB of host memory for preempted KV pages.", tier="B", supported=ANY)
     kv_cache_dtype: str = arg(
-        _CACHE,
+        G.CACHE,
         "auto",
         "KV-cache dtype.",
         tier="B",
         choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"),
         supported=("auto",),
     )
-    enable_prefix_caching: bool = arg(_CACHE, True, "Reuse KV pages of shared prompt prefixes.")
+    enable_prefix_caching: bool = arg(G.CACHE, True, "Reuse KV pages of shared prompt prefixes.")
     prefix_caching_hash_algo: str = arg(
-        _CACHE,
+        G.CACHE,
         "sha256",
         "Hash of prefix-cache keys (builtin: 64-bit Python hash, collidable by crafted "
         "prompts; every hit is also checked against its tokens).",
@@ -356,66 +151,66 @@ class EngineArgs:
     )
     # ---- SchedulerConfig
     max_num_batched_tokens: int | None = arg(
-        _SCHED, None, "Token budget of one engine step; unset = per platform (2048 CPU, 8192 else)."
+        G.SCHED, None, "Token budget of one engine step; unset = per platform (2048 CPU, 8192 else)."
     )
-    max_num_seqs: int = arg(_SCHED, 256, "Most sequences in one engine step.")
-    enable_chunked_prefill: bool = arg(_SCHED, True, "Split long prompts across steps.")
+    max_num_seqs: int = arg(G.SCHED, 256, "Most sequences in one engine step.")
+    enable_chunked_prefill: bool = arg(G.SCHED, True, "Split long prompts across steps.")
     long_prefill_token_threshold: int = arg(
-        _SCHED, 0, "Prompts longer than this count as long prefills (0 = off)."
+        G.SCHED, 0, "Prompts longer than this count as long prefills (0 = off)."
     )
     scheduling_policy: str = arg(
-        _SCHED, "fcfs", "fcfs, or priority (lower value first, then arrival).", choices=("fcfs", "priority")
+        G.SCHED, "fcfs", "fcfs, or priority (lower value first, then arrival).", choices=("fcfs", "priority")
     )
     preemption_mode: str = arg(
-        _SCHED,
+        G.SCHED,
         "recompute",
         "How a preempted sequence gets its KV pages back.",
         choices=("recompute", "swap"),
         supported=("recompute",),
     )
     # ---- ParallelConfig
-    tensor_parallel_size: int = arg(_PARALLEL, 1, "Devices on the 'model' mesh axis.", short="-tp")
+    tensor_parallel_size: int = arg(G.PARALLEL, 1, "Devices on the 'model' mesh axis.", short="-tp")
     data_parallel_size: int = arg(
-        _PARALLEL,
+        G.PARALLEL,
         1,
         "Engine replicas behind one server, each on its own tensor_parallel_size devices.",
         short="-dp",
     )
-    pipeline_parallel_size: int = arg(_PARALLEL, 1, "Pipeline stages.", tier="B", short="-pp")
+    pipeline_parallel_size: int = arg(G.PARALLEL, 1, "Pipeline stages.", tier="B", short="-pp")
 
     # ---- ModelConfig, continued
     task: str = arg(
-        _MODEL,
+        G.MODEL,
         "auto",
         "What the model is served for.",
         choices=("auto", "generate", "embedding", "embed", "classify", "score", "reward", "transcription"),
         supported=("auto", "generate"),
     )
     # jaxserve never runs a checkpoint's own code, so there is no code revision to pick.
-    code_revision: str | None = arg(_MODEL, None, "Revision of the model's custom code.")
+    code_revision: str | None = arg(G.MODEL, None, "Revision of the model's custom code.")
     hf_config_path: str | None = arg(
-        _MODEL, None, "Directory (or cached HF repo id) whose config.json replaces the model's."
+        G.MODEL, None, "Directory (or cached HF repo id) whose config.json replaces the model's."
     )
     # jaxserve reads only local files and the HF cache; a hub token is never needed.
     hf_token: bool | str | None = arg(
-        _MODEL, None, "HF hub token (unused: nothing is downloaded).", nargs="?", const=True
+        G.MODEL, None, "HF hub token (unused: nothing is downloaded).", nargs="?", const=True
     )
     config_format: str = arg(
-        _MODEL,
+        G.MODEL,
         "auto",
         "Format of the model config.",
         choices=("auto", "hf", "mistral"),
         supported=("auto", "hf"),
     )
     rope_scaling: dict | str | None = arg(
-        _MODEL,
+        G.MODEL,
         None,
         'JSON object replacing the config\'s rope_scaling, e.g. \'{"rope_type": "linear", "factor": 2}\'; '
         "rope types: default, linear, dynamic, llama3.",
     )
-    rope_theta: float | None = arg(_MODEL, None, "RoPE base frequency, replacing the config's rope_theta.")
+    rope_theta: float | None = arg(G.MODEL, None, "RoPE base frequency, replacing the config's rope_theta.")
     model_impl: str = arg(
-        _MODEL,
+        G.MODEL,
         "auto",
         "Model implementation; vllm and auto both mean jaxserve's own.",
         choices=("auto", "vllm", "transformers"),
@@ -423,76 +218,76 @@ class EngineArgs:
     )
     # GGUF checkpoints are dequantized at load, so naming their format is honoured.
     quantization: str | None = arg(
-        _MODEL, None, "Weight quantization method.", tier="B", short="-q", supported=(None, "gguf")
+        G.MODEL, None, "Weight quantization method.", tier="B", short="-q", supported=(None, "gguf")
     )
     disable_sliding_window: bool = arg(
-        _MODEL, False, "Cap max_model_len at the model's sliding window (jaxserve applies no window)."
+        G.MODEL, False, "Cap max_model_len at the model's sliding window (jaxserve applies no window)."
     )
     # jaxserve has no cascade attention: it is always off, as asked.
-    disable_cascade_attn: bool = arg(_MODEL, False, "Disable cascade attention.", tier="B", supported=ANY)
-    enable_prompt_embeds: bool = arg(_MODEL, False, "Accept prompt embeddings as input.", tier="B")
+    disable_cascade_attn: bool = arg(G.MODEL, False, "Disable cascade attention.", tier="B", supported=ANY)
+    enable_prompt_embeds: bool = arg(G.MODEL, False, "Accept prompt embeddings as input.", tier="B")
     logits_processor_pattern: str | None = arg(
-        _MODEL, None, "Regex of logits-processor import paths requests may name.", tier="B"
+        G.MODEL, None, "Regex of logits-processor import paths requests may name.", tier="B"
     )
-    enable_sleep_mode: bool = arg(_MODEL, False, "Allow freeing device memory on request.", tier="B")
-    allowed_local_media_path: str = arg(_MODEL, "", "Directory multimodal inputs may read.", tier="C")
-    override_neuron_config: dict | None = arg(_MODEL, None, "Neuron device settings.", tier="C")
+    enable_sleep_mode: bool = arg(G.MODEL, False, "Allow freeing device memory on request.", tier="B")
+    allowed_local_media_path: str = arg(G.MODEL, "", "Directory multimodal inputs may read.", tier="C")
+    override_neuron_config: dict | None = arg(G.MODEL, None, "Neuron device settings.", tier="C")
     max_context_len_to_capture: int | None = arg(
-        _MODEL, None, "Older name of --max-seq-len-to-capture.", tier="C"
+        G.MODEL, None, "Older name of --max-seq-len-to-capture.", tier="C"
     )
     # ---- LoadConfig, continued
-    download_dir: str | None = arg(_LOAD, None, "HF cache directory to resolve hub ids from.")
+    download_dir: str | None = arg(G.LOAD, None, "HF cache directory to resolve hub ids from.")
     # jaxserve downloads nothing and reads only a checkpoint's weight files, so patterns are
     # honoured unless they exclude one of those (refused when the model is resolved).
-    ignore_patterns: list[str] | str | None = arg(_LOAD, None, "File patterns to skip when loading.")
-    model_loader_extra_config: dict = arg(_LOAD, help="Extra loader settings.", tier="C", factory=dict)
+    ignore_patterns: list[str] | str | None = arg(G.LOAD, None, "File patterns to skip when loading.")
+    model_loader_extra_config: dict = arg(G.LOAD, help="Extra loader settings.", tier="C", factory=dict)
     pt_load_map_location: str | dict = arg(
-        _LOAD, "cpu", "Where .pt checkpoints are mapped.", tier="C", type=str
+        G.LOAD, "cpu", "Where .pt checkpoints are mapped.", tier="C", type=str
     )
     # ---- DecodingConfig
     guided_decoding_backend: str = arg(
-        _DECODING,
+        G.DECODING,
         "auto",
         "Engine for guided decoding (JSON schema, regex, choice, grammar).",
         tier="B",
         choices=("auto", "guidance", "lm-format-enforcer", "outlines", "xgrammar"),
     )
-    guided_decoding_disable_fallback: bool = arg(_DECODING, False, "No fallback backend.", tier="B")
+    guided_decoding_disable_fallback: bool = arg(G.DECODING, False, "No fallback backend.", tier="B")
     guided_decoding_disable_any_whitespace: bool = arg(
-        _DECODING, False, "No free whitespace in guided JSON.", tier="B"
+        G.DECODING, False, "No free whitespace in guided JSON.", tier="B"
     )
     guided_decoding_disable_additional_properties: bool = arg(
-        _DECODING, False, "No additionalProperties in guided JSON.", tier="B"
+        G.DECODING, False, "No additionalProperties in guided JSON.", tier="B"
     )
-    reasoning_parser: str = arg(_DECODING, "", "Parser that splits reasoning from the answer.", tier="B")
+    reasoning_parser: str = arg(G.DECODING, "", "Parser that splits reasoning from the answer.", tier="B")
     enable_reasoning: bool | None = arg(
-        _DECODING, None, "Deprecated: use --reasoning-parser.", tier="B", supported=(None, False)
+        G.DECODING, None, "Deprecated: use --reasoning-parser.", tier="B", supported=(None, False)
     )
     # ---- ParallelConfig, continued
     data_parallel_size_local: int | None = arg(
-        _PARALLEL, None, "Data-parallel replicas on this host.", tier="B", short="-dpl"
+        G.PARALLEL, None, "Data-parallel replicas on this host.", tier="B", short="-dpl"
     )
     data_parallel_address: str | None = arg(
-        _PARALLEL,
+        G.PARALLEL,
         None,
         "Host of process 0 (the coordinator) with --distributed-executor-backend jax.",
         short="-dpa",
     )
     data_parallel_rpc_port: int | None = arg(
-        _PARALLEL, None, "Coordinator port with --distributed-executor-backend jax (13345).", short="-dpp"
+        G.PARALLEL, None, "Coordinator port with --distributed-executor-backend jax (13345).", short="-dpp"
     )
     data_parallel_backend: str = arg(
-        _PARALLEL, "mp", "How data-parallel replicas run.", tier="B", short="-dpb", choices=("mp", "ray")
+        G.PARALLEL, "mp", "How data-parallel replicas run.", tier="B", short="-dpb", choices=("mp", "ray")
     )
     data_parallel_start_rank: int | None = arg(
-        _PARALLEL, None, "First data-parallel rank on this host.", tier="B", short="-dpr"
+        G.PARALLEL, None, "First data-parallel rank on this host.", tier="B", short="-dpr"
     )
     enable_expert_parallel: bool = arg(
-        _PARALLEL, False, "Split MoE layers by whole experts over the tensor-parallel devices."
+        G.PARALLEL, False, "Split MoE layers by whole experts over the tensor-parallel devices."
     )
     # mp and uni both describe what jaxserve does on one host: one process drives every local device.
     distributed_executor_backend: str | None = arg(
-        _PARALLEL,
+        G.PARALLEL,
         None,
         "How workers are launched; jax: one process per host, joined by jax.distributed.",
         tier="B",
@@ -501,57 +296,59 @@ class EngineArgs:
     )
     # jaxserve's own: what jax.distributed.initialize needs besides the coordinator.
     num_processes: int | None = arg(
-        _PARALLEL, None, "Processes (hosts) with --distributed-executor-backend jax."
+        G.PARALLEL, None, "Processes (hosts) with --distributed-executor-backend jax."
     )
-    process_id: int | None = arg(_PARALLEL, None, "This process's rank (0 serves HTTP) with the jax backend.")
+    process_id: int | None = arg(
+        G.PARALLEL, None, "This process's rank (0 serves HTTP) with the jax backend."
+    )
     distributed_timeout: float = arg(
-        _PARALLEL, 300.0, "Seconds to wait for every process to arrive (jax backend)."
+        G.PARALLEL, 300.0, "Seconds to wait for every process to arrive (jax backend)."
     )
     # One process loads one tensor at a time, so any worker limit is met.
-    max_parallel_loading_workers: int | None = arg(_PARALLEL, None, "Most weight-loading workers at once.")
+    max_parallel_loading_workers: int | None = arg(G.PARALLEL, None, "Most weight-loading workers at once.")
     worker_use_ray: bool = arg(
-        _PARALLEL,
+        G.PARALLEL,
         False,
         "Older spelling of --distributed-executor-backend ray (not supported by jaxserve yet).",
     )
-    disable_custom_all_reduce: bool = arg(_PARALLEL, False, "CUDA custom all-reduce.", tier="C")
-    ray_workers_use_nsight: bool = arg(_PARALLEL, False, "Profile Ray workers with Nsight.", tier="C")
-    worker_cls: str = arg(_PARALLEL, "auto", "Worker class.", tier="C")
-    worker_extension_cls: str = arg(_PARALLEL, "", "Worker extension class.", tier="C")
+    disable_custom_all_reduce: bool = arg(G.PARALLEL, False, "CUDA custom all-reduce.", tier="C")
+    ray_workers_use_nsight: bool = arg(G.PARALLEL, False, "Profile Ray workers with Nsight.", tier="C")
+    worker_cls: str = arg(G.PARALLEL, "auto", "Worker class.", tier="C")
+    worker_extension_cls: str = arg(G.PARALLEL, "", "Worker extension class.", tier="C")
     # ---- CacheConfig, continued
-    cpu_offload_gb: float = arg(_CACHE, 0, "GiB of weights kept in host memory.", tier="B")
-    calculate_kv_scales: bool = arg(_CACHE, False, "Compute fp8 KV-cache scales on the fly.", tier="B")
-    quantization_param_path: str | None = arg(_CACHE, None, "fp8 KV-cache scaling factors.", tier="C")
+    cpu_offload_gb: float = arg(G.CACHE, 0, "GiB of weights kept in host memory.", tier="B")
+    calculate_kv_scales: bool = arg(G.CACHE, False, "Compute fp8 KV-cache scales on the fly.", tier="B")
+    quantization_param_path: str | None = arg(G.CACHE, None, "fp8 KV-cache scaling factors.", tier="C")
     # ---- MultiModalConfig
-    limit_mm_per_prompt: dict = arg(_MM, help="Most multimodal items per prompt.", tier="C", factory=dict)
-    mm_processor_kwargs: dict | None = arg(_MM, None, "Multimodal processor settings.", tier="C")
-    disable_mm_preprocessor_cache: bool = arg(_MM, False, "Multimodal preprocessor cache.", tier="C")
+    limit_mm_per_prompt: dict = arg(G.MM, help="Most multimodal items per prompt.", tier="C", factory=dict)
+    mm_processor_kwargs: dict | None = arg(G.MM, None, "Multimodal processor settings.", tier="C")
+    disable_mm_preprocessor_cache: bool = arg(G.MM, False, "Multimodal preprocessor cache.", tier="C")
     # ---- LoRAConfig: the sizes below are used only with --enable-lora, which is refused, so any
     # value is honoured.
-    enable_lora: bool = arg(_LORA, False, "Serve LoRA adapters.", tier="B")
-    enable_lora_bias: bool = arg(_LORA, False, "LoRA adapters with biases.", tier="B", supported=ANY)
-    max_loras: int = arg(_LORA, 1, "LoRA adapters in one batch.", tier="B", supported=ANY)
-    max_lora_rank: int = arg(_LORA, 16, "Largest LoRA rank.", tier="B", supported=ANY)
+    enable_lora: bool = arg(G.LORA, False, "Serve LoRA adapters.", tier="B")
+    enable_lora_bias: bool = arg(G.LORA, False, "LoRA adapters with biases.", tier="B", supported=ANY)
+    max_loras: int = arg(G.LORA, 1, "LoRA adapters in one batch.", tier="B", supported=ANY)
+    max_lora_rank: int = arg(G.LORA, 16, "Largest LoRA rank.", tier="B", supported=ANY)
     lora_dtype: str = arg(
-        _LORA, "auto", "LoRA weight dtype.", tier="B", supported=ANY, choices=("auto", "float16", "bfloat16")
+        G.LORA, "auto", "LoRA weight dtype.", tier="B", supported=ANY, choices=("auto", "float16", "bfloat16")
     )
     max_cpu_loras: int | None = arg(
-        _LORA, None, "LoRA adapters kept in host memory.", tier="B", supported=ANY
+        G.LORA, None, "LoRA adapters kept in host memory.", tier="B", supported=ANY
     )
-    fully_sharded_loras: bool = arg(_LORA, False, "Shard LoRA weights fully.", tier="B", supported=ANY)
+    fully_sharded_loras: bool = arg(G.LORA, False, "Shard LoRA weights fully.", tier="B", supported=ANY)
     lora_extra_vocab_size: int = arg(
-        _LORA, 256, "Extra vocabulary of LoRA adapters.", tier="B", supported=ANY
+        G.LORA, 256, "Extra vocabulary of LoRA adapters.", tier="B", supported=ANY
     )
     long_lora_scaling_factors: list[float] | None = arg(
-        _LORA, None, "Scaling factors of long-context LoRA.", tier="B", supported=ANY
+        G.LORA, None, "Scaling factors of long-context LoRA.", tier="B", supported=ANY
     )
     # ---- PromptAdapterConfig
-    enable_prompt_adapter: bool = arg(_PA, False, "Prompt adapters.", tier="C")
-    max_prompt_adapters: int = arg(_PA, 1, "Prompt adapters in one batch.", tier="C")
-    max_prompt_adapter_token: int = arg(_PA, 0, "Prompt adapter tokens.", tier="C")
+    enable_prompt_adapter: bool = arg(G.PA, False, "Prompt adapters.", tier="C")
+    max_prompt_adapters: int = arg(G.PA, 1, "Prompt adapters in one batch.", tier="C")
+    max_prompt_adapter_token: int = arg(G.PA, 0, "Prompt adapter tokens.", tier="C")
     # ---- DeviceConfig
     device: str = arg(
-        _DEVICE,
+        G.DEVICE,
         "auto",
         "Device type (jaxserve uses JAX's default backend).",
         tier="C",
@@ -559,39 +356,39 @@ class EngineArgs:
     )
     # ---- SpeculativeConfig
     speculative_config: dict | str | None = arg(
-        _SPEC, None, "JSON object: ngram (prompt lookup) or a draft model.", tier="B"
+        G.SPEC, None, "JSON object: ngram (prompt lookup) or a draft model.", tier="B"
     )
     # ---- ObservabilityConfig
-    otlp_traces_endpoint: str | None = arg(_OBS, None, "OpenTelemetry traces endpoint.", tier="B")
-    collect_detailed_traces: list[str] | None = arg(_OBS, None, "Modules to trace in detail.", tier="B")
+    otlp_traces_endpoint: str | None = arg(G.OBS, None, "OpenTelemetry traces endpoint.", tier="B")
+    collect_detailed_traces: list[str] | None = arg(G.OBS, None, "Modules to trace in detail.", tier="B")
     show_hidden_metrics_for_version: str | None = arg(
-        _OBS, None, "Show metrics hidden since this version.", tier="B"
+        G.OBS, None, "Show metrics hidden since this version.", tier="B"
     )
     # ---- SchedulerConfig, continued
-    max_num_partial_prefills: int = arg(_SCHED, 1, "Concurrent partial prefills.", tier="B")
-    max_long_partial_prefills: int = arg(_SCHED, 1, "Concurrent long partial prefills.", tier="B")
-    scheduler_delay_factor: float = arg(_SCHED, 0.0, "Wait before scheduling the next prompt.", tier="B")
-    num_lookahead_slots: int = arg(_SCHED, 0, "Speculative lookahead slots.", tier="C")
-    num_scheduler_steps: int = arg(_SCHED, 1, "Multi-step scheduling.", tier="C")
-    multi_step_stream_outputs: bool = arg(_SCHED, True, "Stream every multi-step output.", tier="C")
-    scheduler_cls: str = arg(_SCHED, "vllm.core.scheduler.Scheduler", "Scheduler class.", tier="C")
-    use_v2_block_manager: bool = arg(_SCHED, True, "Older block-manager switch.", tier="C")
+    max_num_partial_prefills: int = arg(G.SCHED, 1, "Concurrent partial prefills.", tier="B")
+    max_long_partial_prefills: int = arg(G.SCHED, 1, "Concurrent long partial prefills.", tier="B")
+    scheduler_delay_factor: float = arg(G.SCHED, 0.0, "Wait before scheduling the next prompt.", tier="B")
+    num_lookahead_slots: int = arg(G.SCHED, 0, "Speculative lookahead slots.", tier="C")
+    num_scheduler_steps: int = arg(G.SCHED, 1, "Multi-step scheduling.", tier="C")
+    multi_step_stream_outputs: bool = arg(G.SCHED, True, "Stream every multi-step output.", tier="C")
+    scheduler_cls: str = arg(G.SCHED, "vllm.core.scheduler.Scheduler", "Scheduler class.", tier="C")
+    use_v2_block_manager: bool = arg(G.SCHED, True, "Older block-manager switch.", tier="C")
     # ---- VllmConfig
-    kv_transfer_config: dict | None = arg(_VLLM, None, "Disaggregated KV transfer.", tier="C")
-    kv_events_config: dict | None = arg(_VLLM, None, "KV-cache event publishing.", tier="C")
-    additional_config: dict | None = arg(_VLLM, None, "Platform plug-in settings.", tier="C")
+    kv_transfer_config: dict | None = arg(G.VLLM, None, "Disaggregated KV transfer.", tier="C")
+    kv_events_config: dict | None = arg(G.VLLM, None, "KV-cache event publishing.", tier="C")
+    additional_config: dict | None = arg(G.VLLM, None, "Platform plug-in settings.", tier="C")
     # ---- flags of older vLLM releases, accepted so that older command lines still start
-    tokenizer_pool_size: int = arg(_TOKPOOL, 0, "Tokenizer pool size.", tier="C")
-    tokenizer_pool_type: str = arg(_TOKPOOL, "ray", "Tokenizer pool type.", tier="C")
-    tokenizer_pool_extra_config: dict | None = arg(_TOKPOOL, None, "Tokenizer pool settings.", tier="C")
+    tokenizer_pool_size: int = arg(G.TOKPOOL, 0, "Tokenizer pool size.", tier="C")
+    tokenizer_pool_type: str = arg(G.TOKPOOL, "ray", "Tokenizer pool type.", tier="C")
+    tokenizer_pool_extra_config: dict | None = arg(G.TOKPOOL, None, "Tokenizer pool settings.", tier="C")
     image_input_type: str | None = arg(
-        _VISION, None, "Image input type.", tier="C", choices=("pixel_values", "image_features")
+        G.VISION, None, "Image input type.", tier="C", choices=("pixel_values", "image_features")
     )
-    image_token_id: int | None = arg(_VISION, None, "Image token id.", tier="C")
-    image_input_shape: str | None = arg(_VISION, None, "Image input shape.", tier="C")
-    image_feature_size: int | None = arg(_VISION, None, "Image feature size.", tier="C")
-    image_processor: str | None = arg(_VISION, None, "Image processor.", tier="C")
-    image_processor_revision: str | None = arg(_VISION, None, "Image processor revision.", tier="C")
+    image_token_id: int | None = arg(G.VISION, None, "Image token id.", tier="C")
+    image_input_shape: str | None = arg(G.VISION, None, "Image input shape.", tier="C")
+    image_feature_size: int | None = arg(G.VISION, None, "Image feature size.", tier="C")
+    image_processor: str | None = arg(G.VISION, None, "Image processor.", tier="C")
+    image_processor_revision: str | None = arg(G.VISION, None, "Image processor revision.", tier="C")
     extra: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -599,7 +396,8 @@ class EngineArgs:
         return {f.name for f in dataclasses.fields(cls)} - {"extra"}
 
     def validate(self) -> None:
-        """Refuse what needs no model to refuse, so a bad command line fails before a load starts.
+        """Refuse what needs neither a model nor a device, so a bad command line fails before
+        anything starts (it touches no JAX device: a multi-process run must join its peers first).
 
         Called again by `create_engine_config`; the tier-C warnings are logged once per EngineArgs.
         """
@@ -632,26 +430,15 @@ class EngineArgs:
             raise ValueError("long_prefill_token_threshold must be >= 0.")
         self._check_rope()
         self._check_distributed()
-        import jax
-
-        from jaxserve.layers.attention import resolve_attention_backend
-
-        resolve_attention_backend(self.attention_backend, _platform())
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}.")
-        if self.tensor_parallel_size * self.data_parallel_size > len(jax.devices()):
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="
-                f"{self.data_parallel_size} needs that many devices; {len(jax.devices())} visible."
-            )
         if not getattr(self, "_warned", False):
             for line in warnings:
                 logger.warning(line)
             self._warned = True
 
     def _check_distributed(self) -> None:
-        """Multi-process flags hang together; then join the other processes (before anything
-        touches a device: JAX requires it)."""
+        """The multi-process flags hang together."""
         if self.distributed_executor_backend != "jax":
             for name in ("data_parallel_address", "data_parallel_rpc_port", "num_processes", "process_id"):
                 if getattr(self, name) is not None:
@@ -667,12 +454,9 @@ class EngineArgs:
             )
         if self.num_processes is not None and not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"--process-id must be in [0, {self.num_processes}), got {self.process_id}.")
-        from jaxserve import distributed
-
-        distributed.initialize_from_args(self)
 
     def _check_rope(self) -> None:
-        scaling = _as_dict(self.rope_scaling, "rope_scaling")
+        scaling = as_dict(self.rope_scaling, "rope_scaling")
         if self.rope_theta is not None and not self.rope_theta > 0:
             raise ValueError(f"--rope-theta must be positive, got {self.rope_theta}.")
         if not scaling:
@@ -689,111 +473,26 @@ class EngineArgs:
         if missing:
             raise ValueError(f"--rope-scaling of rope_type {rope_type!r} needs {', '.join(missing)}.")
 
-    def _check_ignore_patterns(self, path: str, is_gguf: bool) -> None:
-        patterns = [self.ignore_patterns] if isinstance(self.ignore_patterns, str) else self.ignore_patterns
-        if not patterns:
-            return
-        if is_gguf:
-            weights = [os.path.basename(path)]
-        else:
-            weights = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
-        for name in weights:
-            if any(fnmatch.fnmatch(name, pattern) for pattern in patterns):
-                raise ValueError(f"--ignore-patterns {patterns} exclude {name}, a weight file of the model.")
-
-    def _model_config(self) -> ModelConfig:
-        path = resolve_model_path(self.model, self.revision, self.download_dir)
-        load_format = self.load_format
-        is_gguf = os.path.isfile(path) and path.endswith(".gguf")
-        if is_gguf:
-            if load_format == "auto":
-                load_format = "gguf"
-        elif os.path.isdir(path):
-            from jaxserve.loader.orbax import is_orbax_dir
-
-            if load_format == "auto":
-                load_format = "orbax" if is_orbax_dir(path) else "safetensors"
-            elif load_format == "orbax" and not is_orbax_dir(path):
-                raise ValueError(
-                    f"load_format='orbax' needs a directory made by `jaxserve convert`, got {path!r}."
-                )
-        else:
-            raise ValueError(f"model {path!r} is neither a model directory nor a .gguf file.")
-        if load_format == "gguf" and not is_gguf:
-            raise ValueError(f"load_format='gguf' needs a .gguf file, got {path!r}.")
-        if self.quantization == "gguf" and not is_gguf:
-            raise ValueError(f"quantization='gguf' needs a .gguf file, got {path!r}.")
-        self._check_ignore_patterns(path, is_gguf)
-        if self.hf_config_path is not None:
-            from jaxserve.loader.safetensors import read_hf_config
-
-            hf_config = read_hf_config(
-                resolve_model_path(self.hf_config_path, self.revision, self.download_dir)
-            )
-        elif is_gguf:
-            from jaxserve.loader.gguf import read_gguf_config
-
-            hf_config = read_gguf_config(path)
-        else:
-            from jaxserve.loader.safetensors import read_hf_config
-
-            hf_config = read_hf_config(path)
-        hf_config = {**hf_config, **_as_dict(self.hf_overrides, "hf_overrides")}
-        hf_config = _with_rope_flags(hf_config, _as_dict(self.rope_scaling, "rope_scaling"), self.rope_theta)
-
-        from jaxserve.models.registry import resolve_architecture
-
-        resolve_architecture(hf_config)  # refuse unknown architectures before anything loads
-        if self.dtype == "auto":
-            dtype = "float32" if _platform() == "cpu" else _checkpoint_dtype(hf_config)
-            if dtype == "float32" and _platform() != "cpu":
-                dtype = "bfloat16"
-        else:
-            dtype = DTYPES[self.dtype]
-        from jaxserve.layers.rotary import max_len_with_rope_scaling
-
-        derived_len, source = max_len_with_rope_scaling(hf_config)
-        window = hf_config.get("sliding_window")
-        if self.disable_sliding_window and window and int(window) < derived_len:
-            derived_len, source = int(window), "sliding_window"
-        requested = parse_model_len(self.max_model_len)
-        max_model_len = derived_len if requested is None else requested
-        if max_model_len < 2 or max_model_len > derived_len:
-            raise ValueError(
-                f"max_model_len={max_model_len} must be between 2 and the model's maximum length "
-                f"({derived_len}, {source})."
-            )
-        names = self.served_model_name
-        if names is None:
-            names = [self.model or "HuggingFaceTB/SmolLM2-135M-Instruct"]
-        elif isinstance(names, str):
-            names = [names]
-        return ModelConfig(
-            model=path,
-            tokenizer=self.tokenizer or path,
-            load_format=load_format,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            seed=self.seed,
-            hf_config=MappingProxyType(hf_config),
-            served_model_name=tuple(names),
-            tokenizer_revision=self.tokenizer_revision,
-            revision=self.revision,
-            trust_remote_code=self.trust_remote_code,
-            generation_config=self.generation_config,
-            override_generation_config=MappingProxyType(
-                _as_dict(self.override_generation_config, "override_generation_config")
-            ),
-            max_logprobs=self.max_logprobs,
-            skip_tokenizer_init=self.skip_tokenizer_init,
-            use_tqdm_on_load=self.use_tqdm_on_load,
-        )
-
     def create_engine_config(self) -> EngineConfig:
+        """Validate, join the other processes if asked (before any device is touched: JAX requires
+        it), check the devices, then resolve the model once."""
         self.validate()
-        model_config = self._model_config()
+        from jaxserve import distributed
+
+        distributed.initialize_from_args(self)
+        import jax
+
+        from jaxserve.layers.attention import resolve_attention_backend
+
+        backend = resolve_attention_backend(self.attention_backend, platform())
+        if self.tensor_parallel_size * self.data_parallel_size > len(jax.devices()):
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="
+                f"{self.data_parallel_size} needs that many devices; {len(jax.devices())} visible."
+            )
+        model_config = model_config_from_args(self)
         max_len = model_config.max_model_len
-        batched = self.max_num_batched_tokens or (2048 if _platform() == "cpu" else 8192)
+        batched = self.max_num_batched_tokens or (2048 if platform() == "cpu" else 8192)
         if not self.enable_chunked_prefill and batched < max_len:
             raise ValueError(
                 f"max_num_batched_tokens ({batched}) is smaller than max_model_len ({max_len}) with chunked "
@@ -803,11 +502,10 @@ class EngineArgs:
             raise ValueError(
                 f"max_num_batched_tokens ({batched}) must be >= max_num_seqs ({self.max_num_seqs})."
             )
-        from jaxserve.layers.attention import check_page_size, resolve_attention_backend
+        from jaxserve.layers.attention import check_page_size
 
-        backend = resolve_attention_backend(self.attention_backend, _platform())
         check_page_size(backend, self.block_size or 16, model_config.dtype)
-        comp = _as_dict(self.compilation_config, "compilation_config")
+        comp = as_dict(self.compilation_config, "compilation_config")
         unknown = set(comp) - {"token_buckets", "seq_buckets", "cache_dir"}
         if unknown:
             raise ValueError(f"compilation_config keys {sorted(unknown)} are not supported.")
@@ -843,7 +541,7 @@ class EngineArgs:
                 token_buckets=tuple(comp["token_buckets"]) if "token_buckets" in comp else None,
                 seq_buckets=tuple(comp["seq_buckets"]) if "seq_buckets" in comp else None,
                 cache_dir=comp.get("cache_dir"),
-                min_token_bucket=1 if _platform() == "cpu" else 16,
+                min_token_bucket=1 if platform() == "cpu" else 16,
                 attention_backend=backend,
             ),
         )

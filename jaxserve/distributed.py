@@ -213,14 +213,3 @@ def follow(runner, channel: StepChannel) -> None:
             closing()
             return
         getattr(runner, call)(*args)
-
-
-def run_worker(engine_args) -> int:
-    """`jaxserve serve` on a process other than 0: no server, no scheduler; the same runner
-    over the global mesh, replaying process 0's calls."""
-    from jaxserve.runner.model_runner import ModelRunner
-
-    runner = ModelRunner(engine_args.create_engine_config())
-    logger.info("Process %d ready; following process 0", jax.process_index())
-    follow(runner, StepChannel())
-    return 0

@@ -12,7 +12,8 @@ import re
 
 import pytest
 
-from jaxserve.cli import build_parser, engine_args_from_namespace, main, parse_args
+from jaxserve.cli import build_parser, main
+from jaxserve.entrypoints.openai.cli_args import engine_args_from_namespace, parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

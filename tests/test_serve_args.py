@@ -15,16 +15,16 @@ import yaml
 from serve_flags import ACCEPTED_B, FLAGS, NEEDS_SETUP, SHORT, argv_for, dest, long_flag
 from tiny_models import TINY_LLAMA
 
-from jaxserve.args import GROUPS, EngineArgs
-from jaxserve.cli import (
+from jaxserve.args import EngineArgs
+from jaxserve.cli import build_parser, main
+from jaxserve.entrypoints.openai.cli_args import (
     ArgumentParser,
-    build_parser,
-    main,
     make_serve_parser,
     parse_args,
     serve_args_from_namespace,
 )
 from jaxserve.entrypoints.openai.server_args import ServerArgs, validate_server_args
+from jaxserve.flags import GROUPS
 from jaxserve.layers.rotary import rope_parameters
 
 IDS = [row[0] for row in FLAGS]
@@ -264,7 +264,6 @@ def test_tier_b_values_jaxserve_honours_start(served, caplog, flag, value, expec
         (["--model", "a", "b"], "model"),
         (["--uvicorn-log-level", "loud"], "--uvicorn-log-level"),
         (["--hf-overrides", "[1]"], "--hf-overrides"),
-        (["--attention-backend", "pallas"], "--attention-backend pallas needs a TPU or GPU"),
         (["--attention-backend", "triton"], "--attention-backend"),
     ],
 )
@@ -274,6 +273,20 @@ def test_values_jaxserve_refuses_exit_2_with_one_line(served, capsys, flags, nam
     assert exc.value.code == 2
     assert named in _error_line(capsys)
     assert served == []
+
+
+def test_a_backend_this_platform_lacks_is_refused_before_the_model_resolves(monkeypatch, capsys):
+    """What needs a device is checked once the devices are known (a multi-process run joins its
+    peers first), still before the model is looked for or loaded."""
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was resolved")
+
+    monkeypatch.setattr("jaxserve.args.model_config_from_args", no_model)
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--attention-backend", "pallas"])
+    assert exc.value.code == 2
+    assert "--attention-backend pallas needs a TPU or GPU" in _error_line(capsys)
 
 
 @pytest.mark.parametrize("backend", ["mp", "uni"])

@@ -58,7 +58,7 @@ SCRIPT = textwrap.dedent(
         del llm, runner, pool
     if not expert_parallel:  # a converted checkpoint holds 2 KV heads; served at tp = 8 it needs copies
         from jaxserve.args import EngineArgs
-        from jaxserve.loader.orbax import convert
+        from jaxserve.cli import convert
 
         out = convert(EngineArgs(model=path, **engine_kwargs()), path + "-orbax")
         llm = LLM(out, **engine_kwargs(tensor_parallel_size=8))

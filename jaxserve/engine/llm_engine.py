@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxserve.args import EngineArgs
 from jaxserve.config import EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from jaxserve.loader.generation_config import read_generation_config, sampling_defaults
+from jaxserve.loader.tokenizer import load_tokenizer
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
@@ -66,15 +66,6 @@ class ParentRequest:
         return all(c.is_finished for c in self.children)
 
 
-def load_tokenizer(config: EngineConfig):
-    if config.model_config.skip_tokenizer_init:
-        return None
-    from jaxserve.loader.tokenizer import get_tokenizer
-
-    mc = config.model_config
-    return get_tokenizer(mc.tokenizer, revision=mc.tokenizer_revision, trust_remote_code=mc.trust_remote_code)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None, devices=None):
         """devices: the ones this engine's mesh spans (default: the first tensor_parallel_size)."""
@@ -84,7 +75,7 @@ class LLMEngine:
             self.tokenizer, self.runner = tokenizer, ModelRunner(config, mesh)
         else:  # the tokenizer loads while the weights load and the first buckets compile
             with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenizer") as pool:
-                pending = pool.submit(load_tokenizer, config)
+                pending = pool.submit(load_tokenizer, config.model_config)
                 self.runner = ModelRunner(config, mesh)
                 self.tokenizer = pending.result()
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.runner.num_blocks)
@@ -101,7 +92,8 @@ class LLMEngine:
         self.eos_token_id, self.extra_eos_ids = self._eos_ids()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+    def from_engine_args(cls, engine_args) -> LLMEngine:
+        """engine_args: an EngineArgs (args.py, which sits above the engine)."""
         return cls(engine_args.create_engine_config())
 
     def _eos_ids(self) -> tuple[int | None, set[int]]:

@@ -1,6 +1,6 @@
 """Converted checkpoints: a model's own parameter tree saved with orbax-checkpoint.
 
-Where it sits: the loader layer, beside safetensors.py and gguf.py. `jaxserve convert`
+Where it sits: the loader layer, beside safetensors.py and gguf.py. `jaxserve convert` (cli.py)
 loads any checkpoint once (renaming, transposing, un-permuting, dequantizing, casting) and
 saves the result; `--load-format orbax` (or a directory that looks like one) restores it
 straight into each parameter's sharding, with none of that work repeated.
@@ -63,18 +63,3 @@ def restore(path: str, abstract: nnx.State, shardings: nnx.State) -> nnx.State:
             raise ValueError(f"{path}: the orbax parameters do not fit this model: {e}") from None
     nnx.replace_by_pure_dict(abstract, values)
     return abstract
-
-
-def convert(engine_args, output: str) -> str:
-    """`jaxserve convert`: load the model as the engine would (same flags), save it converted.
-    Returns the output directory."""
-    from jaxserve.engine.llm_engine import load_tokenizer
-    from jaxserve.loader.model_loader import load_model
-    from jaxserve.sharding import make_mesh
-
-    config = engine_args.create_engine_config()
-    mc = config.model_config
-    _, state = load_model(mc, make_mesh(1))
-    source_dir = mc.model if os.path.isdir(mc.model) else None
-    save_converted(output, state, dict(mc.hf_config), load_tokenizer(config), source_dir, mc.dtype)
-    return output

@@ -1,6 +1,6 @@
 """One entry point for tokenizers, whatever the checkpoint format.
 
-Where it sits: called once at engine start-up (``engine/llm_engine.load_tokenizer``) to get the
+Where it sits: called once at engine start-up (``load_tokenizer``, by the engine) to get the
 tokenizer that the chat template, request tokenization and the detokenizer all share. A ``.gguf``
 file carries its own tokenizer in its metadata; anything else goes to transformers (a local Hugging
 Face directory, or a hub id where the hub is reachable).
@@ -11,9 +11,18 @@ from __future__ import annotations
 import logging
 import os
 
+from jaxserve.config import ModelConfig
 from jaxserve.loader.gguf import load_gguf_tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(model_config: ModelConfig):
+    """The model's tokenizer, or None when the engine runs on token ids alone (skip_tokenizer_init)."""
+    mc = model_config
+    if mc.skip_tokenizer_init:
+        return None
+    return get_tokenizer(mc.tokenizer, revision=mc.tokenizer_revision, trust_remote_code=mc.trust_remote_code)
 
 
 def get_tokenizer(path: str, *, revision: str | None = None, trust_remote_code: bool = False):

@@ -20,16 +20,12 @@ import pytest
 from aiohttp import web
 from tiny_models import make_tokenizer
 
-from jaxserve.benchmarks import serving
-from jaxserve.benchmarks.serving import (
-    SampleRequest,
-    Target,
-    add_cli_args,
-    benchmark,
-    format_report,
-    request_intervals,
-    sample_random_requests,
-)
+from jaxserve.benchmarks import client, dataset, metrics, report, serving
+from jaxserve.benchmarks.benchmark_error import BenchmarkError
+from jaxserve.benchmarks.client import Target
+from jaxserve.benchmarks.dataset import SampleRequest, load_tokenizer, sample_random_requests
+from jaxserve.benchmarks.report import format_report
+from jaxserve.benchmarks.serving import add_cli_args, benchmark, request_intervals
 
 MODEL = "fake-model"
 
@@ -300,17 +296,17 @@ def test_byte_level_prompts_never_exceed_their_length(tokenizer):
 
 
 def test_default_model_name_falls_back_to_the_default_model_file(monkeypatch, tokenizer_dir):
-    import jaxserve.args
+    import jaxserve.model_resolution
 
     def resolve(model, revision=None):
         if model is None:
             return tokenizer_dir
         raise ValueError(f"model {model!r} is not local")
 
-    monkeypatch.setattr(jaxserve.args, "resolve_model_path", resolve)
-    assert len(serving.load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")) > 100
-    with pytest.raises(serving.BenchmarkError) as err:
-        serving.load_tokenizer("someone/elses-model")
+    monkeypatch.setattr(jaxserve.model_resolution, "resolve_model_path", resolve)
+    assert len(load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")) > 100
+    with pytest.raises(BenchmarkError) as err:
+        load_tokenizer("someone/elses-model")
     assert err.value.exit_code == 2
 
 
@@ -401,6 +397,22 @@ async def test_failing_test_request_exits_1(aiohttp_server, tokenizer_dir, capsy
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "test request" in err and "HTTP 500" in err
     assert len(fake.bodies) == 1  # nothing else was sent
+
+
+def test_serving_still_exports_the_names_imported_from_it():
+    # `jaxserve bench serve` and benchmarks/serving.py import from serving, as may older scripts.
+    assert callable(serving.add_cli_args) and callable(serving.main)
+    homes = {
+        "BACKEND_ENDPOINTS": client, "RequestOutput": client, "Target": client, "client_session": client,
+        "fetch_model_id": client, "send_request": client, "DATASETS": dataset, "SampleRequest": dataset,
+        "load_tokenizer": dataset, "sample_random_requests": dataset, "METRICS": metrics,
+        "calculate_metrics": metrics, "format_report": report, "result_filename": report,
+    }  # fmt: skip
+    for name, home in homes.items():
+        assert name in serving.__all__ and getattr(serving, name) is getattr(home, name), name
+    assert serving.BenchmarkError is BenchmarkError
+    for name in ("benchmark", "run_benchmark", "request_intervals", "plot_rate_sweep"):
+        assert name in serving.__all__ and callable(getattr(serving, name)), name
 
 
 def test_jaxserve_bench_serve_runs_this_benchmark(capsys):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from conftest import MODEL
 
-from jaxserve.benchmarks.serving import Target, benchmark, fetch_model_id, sample_random_requests
+from jaxserve.benchmarks.client import Target, fetch_model_id
+from jaxserve.benchmarks.dataset import sample_random_requests
+from jaxserve.benchmarks.serving import benchmark
 
 
 async def test_benchmark_client_against_jaxserve(server, llm_engine):

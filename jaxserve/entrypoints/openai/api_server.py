@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 
 from jaxserve import __version__
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineRequestError
+from jaxserve.entrypoints.openai import cli_args
 from jaxserve.entrypoints.openai.json_body import read_json_object
 from jaxserve.entrypoints.openai.protocol import (
     ERROR_RESPONSE_SCHEMA,
@@ -341,8 +342,7 @@ def build_app(
         middlewares.append(_auth_middleware(args.api_key, args.root_path or ""))
     middlewares.append(_errors)
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
-    llm = engine.engine
-    mc, sc = llm.config.model_config, llm.config.scheduler_config
+    mc, sc = engine.config.model_config, engine.config.scheduler_config
     metrics = EngineMetrics(mc.served_model_name[0], mc.max_model_len, sc.max_num_batched_tokens)
     engine.stats_callbacks.append(metrics.record)
     routes = _Routes(engine, args, metrics)
@@ -443,6 +443,20 @@ def configure_logging(args: ServerArgs) -> None:
     logging.getLogger("jaxserve").setLevel(level)
 
 
+def _run_worker(engine_args) -> int:
+    """`jaxserve serve` on a process other than 0: no server, no scheduler; the same runner over
+    the global mesh, replaying process 0's calls until it says stop."""
+    import jax
+
+    from jaxserve import distributed
+    from jaxserve.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(engine_args.create_engine_config())
+    logger.info("Process %d ready; following process 0", jax.process_index())
+    distributed.follow(runner, distributed.StepChannel())
+    return 0
+
+
 def run_server(engine_args, server_args: ServerArgs) -> int:
     """Build the engine, serve until SIGINT/SIGTERM, return the exit code.
 
@@ -459,14 +473,14 @@ def run_server(engine_args, server_args: ServerArgs) -> int:
 
         distributed.initialize_from_args(engine_args)  # joins the other processes
         if jax.process_index() != 0:  # no server here: replay process 0's steps
-            return distributed.run_worker(engine_args)
+            return _run_worker(engine_args)
     engine = AsyncLLMEngine.from_engine_args(engine_args)
     app = build_app(engine, server_args)
     if ssl_ctx is not None and server_args.enable_ssl_refresh:
         app.cleanup_ctx.append(_ssl_refresher(ssl_ctx, server_args))
     host = server_args.host or None
     scheme = "https" if ssl_ctx else "http"
-    logger.info("Serving %s on %s://%s:%d", engine.engine.config.model_config.served_model_name[0], scheme,
+    logger.info("Serving %s on %s://%s:%d", engine.config.model_config.served_model_name[0], scheme,
                 host or "0.0.0.0", server_args.port)  # fmt: skip
     web.run_app(
         app,
@@ -479,20 +493,22 @@ def run_server(engine_args, server_args: ServerArgs) -> int:
         print=None,
         **HANDLER_SETTINGS,
     )
-    channel = engine.engine.runner.channel  # the other processes, if any, stop with this one
-    if channel is not None:
-        from jaxserve import distributed
-
-        distributed.closing()
-        channel.publish("stop")
+    engine.close_workers()
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m jaxserve.entrypoints.openai.api_server`: vLLM's module form of `serve`."""
-    from jaxserve import cli
-
-    return cli.main(["serve", *(sys.argv[1:] if argv is None else argv)])
+    """`python -m jaxserve.entrypoints.openai.api_server`: vLLM's module form of `serve`, with the
+    same flags, --config file and one-line errors as `jaxserve serve`."""
+    parser = cli_args.ArgumentParser(
+        prog=f"{cli_args.PROG} serve",
+        usage="%(prog)s [MODEL] [options]",
+        description="Start the OpenAI-compatible server; the flags are vLLM's (`vllm serve`).",
+        formatter_class=cli_args.Formatter,
+        allow_abbrev=False,
+    )
+    ns = cli_args.parse_args(cli_args.make_serve_parser(parser), argv)
+    return cli_args.run_command(lambda ns: run_server(*cli_args.serve_args_from_namespace(ns)), ns)
 
 
 if __name__ == "__main__":

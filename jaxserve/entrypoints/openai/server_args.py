@@ -14,11 +14,11 @@ import logging
 import os
 from dataclasses import dataclass
 
-from jaxserve.args import arg, check_flag_values, flag_name
+from jaxserve.flags import G, arg, check_flag_values, flag_name
 
 logger = logging.getLogger(__name__)
 
-_F = "Frontend"
+_F = G.FRONTEND
 SSL_CERT_REQS = (0, 1, 2)  # ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED
 
 

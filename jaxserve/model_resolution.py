@@ -1,0 +1,188 @@
+"""From `--model` and its companion flags to a ModelConfig: which files, which format, which config.
+
+Where it sits: called once by `EngineArgs.create_engine_config` (args.py), before anything loads.
+It finds the model on this machine (a directory, a .gguf file, the local Hugging Face cache or the
+default model; jaxserve never downloads at run time), picks the load format, reads the HF config
+(from config.json or the GGUF header) with `--hf-overrides` and the rope flags applied, refuses an
+architecture the registry lacks, and settles the serving dtype and max_model_len.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from types import MappingProxyType
+
+from jaxserve.config import ModelConfig
+from jaxserve.flags import as_dict, parse_model_len
+
+DTYPES = {
+    "auto": None,
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
+
+
+def platform() -> str:
+    """The platform of the first device (cpu, tpu, gpu): it picks dtype and size defaults."""
+    import jax
+
+    return jax.devices()[0].platform
+
+
+def resolve_model_path(
+    model: str | None, revision: str | None = None, download_dir: str | None = None
+) -> str:
+    """A local directory or .gguf file for `model`; hub ids resolve from the local HF cache only
+    (`download_dir` when given, as vLLM's --download-dir)."""
+    if model is None:
+        from jaxserve.loader.default_model import default_model_path
+
+        try:
+            return default_model_path()
+        except RuntimeError as err:  # no network, say: the message says what to do instead
+            raise ValueError(str(err)) from err
+    if os.path.exists(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, revision=revision, cache_dir=download_dir, local_files_only=True)
+    except Exception:
+        raise ValueError(
+            f"model {model!r} is neither a local path (directory or .gguf file) nor in the local "
+            "Hugging Face cache; jaxserve does not download models."
+        ) from None
+
+
+def _checkpoint_dtype(hf_config: dict) -> str:
+    name = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32").replace("torch.", "")
+    return {"float": "float32", "half": "float16"}.get(name, name)
+
+
+def _with_rope_flags(hf_config: dict, rope_scaling: dict, rope_theta: float | None) -> dict:
+    """--rope-scaling replaces the config's scaling and --rope-theta its base, as vLLM does.
+
+    Both spellings are written: the older `rope_scaling`/`rope_theta` and transformers 5's
+    `rope_parameters`, which rotary.py prefers when a checkpoint has it.
+    """
+    hf_config = dict(hf_config)
+    params = dict(hf_config.get("rope_parameters") or {})
+    if rope_scaling:
+        hf_config["rope_scaling"] = dict(rope_scaling)
+        if params:
+            kept = {k: params[k] for k in ("rope_theta", "partial_rotary_factor") if k in params}
+            params = {**kept, **rope_scaling}
+    if rope_theta is not None:
+        hf_config["rope_theta"] = float(rope_theta)
+        if params:
+            params["rope_theta"] = float(rope_theta)
+    if params:
+        hf_config["rope_parameters"] = params
+    return hf_config
+
+
+def _check_ignore_patterns(ignore_patterns, path: str, is_gguf: bool) -> None:
+    patterns = [ignore_patterns] if isinstance(ignore_patterns, str) else ignore_patterns
+    if not patterns:
+        return
+    if is_gguf:
+        weights = [os.path.basename(path)]
+    else:
+        weights = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
+    for name in weights:
+        if any(fnmatch.fnmatch(name, pattern) for pattern in patterns):
+            raise ValueError(f"--ignore-patterns {patterns} exclude {name}, a weight file of the model.")
+
+
+def model_config_from_args(args) -> ModelConfig:
+    """The ModelConfig that engine arguments (`args`: an EngineArgs) ask for: the model resolved to a
+    local path and load format, its HF config with the overrides and rope flags applied, the
+    serving dtype and length. ValueError, naming the flag, for what cannot be served."""
+    path = resolve_model_path(args.model, args.revision, args.download_dir)
+    load_format = args.load_format
+    is_gguf = os.path.isfile(path) and path.endswith(".gguf")
+    if is_gguf:
+        if load_format == "auto":
+            load_format = "gguf"
+    elif os.path.isdir(path):
+        from jaxserve.loader.orbax import is_orbax_dir
+
+        if load_format == "auto":
+            load_format = "orbax" if is_orbax_dir(path) else "safetensors"
+        elif load_format == "orbax" and not is_orbax_dir(path):
+            raise ValueError(
+                f"load_format='orbax' needs a directory made by `jaxserve convert`, got {path!r}."
+            )
+    else:
+        raise ValueError(f"model {path!r} is neither a model directory nor a .gguf file.")
+    if load_format == "gguf" and not is_gguf:
+        raise ValueError(f"load_format='gguf' needs a .gguf file, got {path!r}.")
+    if args.quantization == "gguf" and not is_gguf:
+        raise ValueError(f"quantization='gguf' needs a .gguf file, got {path!r}.")
+    _check_ignore_patterns(args.ignore_patterns, path, is_gguf)
+    if args.hf_config_path is not None:
+        from jaxserve.loader.safetensors import read_hf_config
+
+        hf_config = read_hf_config(resolve_model_path(args.hf_config_path, args.revision, args.download_dir))
+    elif is_gguf:
+        from jaxserve.loader.gguf import read_gguf_config
+
+        hf_config = read_gguf_config(path)
+    else:
+        from jaxserve.loader.safetensors import read_hf_config
+
+        hf_config = read_hf_config(path)
+    hf_config = {**hf_config, **as_dict(args.hf_overrides, "hf_overrides")}
+    hf_config = _with_rope_flags(hf_config, as_dict(args.rope_scaling, "rope_scaling"), args.rope_theta)
+
+    from jaxserve.models.registry import resolve_architecture
+
+    resolve_architecture(hf_config)  # refuse unknown architectures before anything loads
+    if args.dtype == "auto":
+        dtype = "float32" if platform() == "cpu" else _checkpoint_dtype(hf_config)
+        if dtype == "float32" and platform() != "cpu":
+            dtype = "bfloat16"
+    else:
+        dtype = DTYPES[args.dtype]
+    from jaxserve.layers.rotary import max_len_with_rope_scaling
+
+    derived_len, source = max_len_with_rope_scaling(hf_config)
+    window = hf_config.get("sliding_window")
+    if args.disable_sliding_window and window and int(window) < derived_len:
+        derived_len, source = int(window), "sliding_window"
+    requested = parse_model_len(args.max_model_len)
+    max_model_len = derived_len if requested is None else requested
+    if max_model_len < 2 or max_model_len > derived_len:
+        raise ValueError(
+            f"max_model_len={max_model_len} must be between 2 and the model's maximum length "
+            f"({derived_len}, {source})."
+        )
+    names = args.served_model_name
+    if names is None:
+        names = [args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    elif isinstance(names, str):
+        names = [names]
+    return ModelConfig(
+        model=path,
+        tokenizer=args.tokenizer or path,
+        load_format=load_format,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        seed=args.seed,
+        hf_config=MappingProxyType(hf_config),
+        served_model_name=tuple(names),
+        tokenizer_revision=args.tokenizer_revision,
+        revision=args.revision,
+        trust_remote_code=args.trust_remote_code,
+        generation_config=args.generation_config,
+        override_generation_config=MappingProxyType(
+            as_dict(args.override_generation_config, "override_generation_config")
+        ),
+        max_logprobs=args.max_logprobs,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+        use_tqdm_on_load=args.use_tqdm_on_load,
+    )
