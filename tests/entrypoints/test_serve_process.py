@@ -54,13 +54,6 @@ def _stop(proc, log) -> None:
     log.close()
 
 
-@pytest.fixture
-def server_process(tiny_llama_gqa, tmp_path):
-    proc, url, log = _start(tiny_llama_gqa[0], tmp_path / "server.log")
-    yield proc, url, log
-    _stop(proc, log)
-
-
 async def _wait_healthy(proc, url: str, log, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as session:
@@ -78,53 +71,54 @@ async def _wait_healthy(proc, url: str, log, timeout: float = 180.0) -> None:
     raise AssertionError("server did not become healthy")
 
 
-async def test_sigterm_drains_running_requests_and_exits_0(server_process):
+async def test_sigterm_drains_running_requests_and_exits_0(tiny_llama_gqa, tmp_path):
     """20 streams in flight (8 running, the rest waiting): on SIGTERM every one still ends with a
     finish_reason, new connections are refused, and the process exits 0 within the drain time."""
-    proc, url, log = server_process
-    await _wait_healthy(proc, url, log)
-    body = {
-        "model": "tiny",
-        "prompt": "The quick brown fox",
-        "max_tokens": 56,  # 8 running sequences of 61 tokens fill 61 of the 64 pages
-        "ignore_eos": True,
-        "stream": True,
-    }
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        started = asyncio.Event()
+    # 256 pages of 8 tokens: 8 running sequences of 205 tokens fit without preemption.
+    proc, url, log = _start(tiny_llama_gqa[0], tmp_path / "server.log", "--num-gpu-blocks-override", "256")
+    try:
+        await _wait_healthy(proc, url, log)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            started = asyncio.Event()
 
-        async def stream() -> list[dict]:
-            async with session.post(url + "v1/completions", json=body) as r:
-                assert r.status == 200
-                text = ""
-                async for chunk in r.content.iter_any():
-                    text += chunk.decode()
-                    started.set()
-            assert text.endswith("data: [DONE]\n\n")
-            return [json.loads(f[6:]) for f in text.split("\n\n") if f and f != "data: [DONE]"]
+            async def stream(max_tokens: int) -> list[dict]:
+                body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": max_tokens,
+                        "ignore_eos": True, "stream": True}  # fmt: skip
+                async with session.post(url + "v1/completions", json=body) as r:
+                    assert r.status == 200
+                    text = ""
+                    async for chunk in r.content.iter_any():
+                        text += chunk.decode()
+                        started.set()
+                assert text.endswith("data: [DONE]\n\n")
+                return [json.loads(f[6:]) for f in text.split("\n\n") if f and f != "data: [DONE]"]
 
-        # A first round compiles every step shape this load needs (--enforce-eager compiles on
-        # demand, and a compile can hold the server's threads for seconds on a cold cache).
-        await asyncio.wait_for(asyncio.gather(*(stream() for _ in range(20))), 120)
-        started.clear()
-        streams = [asyncio.ensure_future(stream()) for _ in range(20)]
-        await asyncio.wait_for(started.wait(), 60)
-        proc.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        refused = False  # new connections stop being taken soon after the signal ...
-        while not refused and time.monotonic() - signalled < 10:
-            try:
-                async with aiohttp.ClientSession() as other:
-                    await other.get(url + "health")
-                await asyncio.sleep(0.02)
-            except aiohttp.ClientConnectionError:
-                refused = True
-        assert refused
-        assert proc.poll() is None and not all(s.done() for s in streams)  # ... while it drains
-        results = await asyncio.wait_for(asyncio.gather(*streams), 60)
-    assert all(events[-1]["choices"][0]["finish_reason"] == "length" for events in results)
-    assert proc.wait(timeout=60) == 0
-    assert time.monotonic() - signalled < 30  # the drain time (SHUTDOWN_TIMEOUT_S)
+            # A first round compiles every step shape this load needs (--enforce-eager compiles on
+            # demand, and a compile can hold the server's threads for seconds on a cold cache).
+            await asyncio.wait_for(asyncio.gather(*(stream(16) for _ in range(20))), 120)
+            started.clear()
+            # 500 decode steps: long enough that a server slowed by a busy machine still takes the
+            # signal mid-drain.
+            streams = [asyncio.ensure_future(stream(200)) for _ in range(20)]
+            await asyncio.wait_for(started.wait(), 60)
+            proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            refused = False  # new connections stop being taken soon after the signal ...
+            while not refused and time.monotonic() - signalled < 10:
+                try:
+                    async with aiohttp.ClientSession() as other:
+                        await other.get(url + "health")
+                    await asyncio.sleep(0.02)
+                except aiohttp.ClientConnectionError:
+                    refused = True
+            assert refused
+            assert proc.poll() is None and not all(s.done() for s in streams)  # ... while it drains
+            results = await asyncio.wait_for(asyncio.gather(*streams), 60)
+        assert all(events[-1]["choices"][0]["finish_reason"] == "length" for events in results)
+        assert proc.wait(timeout=60) == 0
+        assert time.monotonic() - signalled < 30  # the drain time (SHUTDOWN_TIMEOUT_S)
+    finally:
+        _stop(proc, log)
 
 
 def _offline_texts(model: str, prompts: list[list[int]]) -> list[str]:
