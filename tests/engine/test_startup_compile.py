@@ -12,10 +12,9 @@ from reference_checks import compilations
 from tiny_models import engine_kwargs
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import CompilationConfig, SchedulerConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.runner import model_runner
-from jaxserve.runner.bucketing import FIRST_PREFILL_TOKENS, Buckets
+from jaxserve.runner.bucketing import FIRST_PREFILL_TOKENS
 
 BUDGET = 256  # token buckets 1, 2, 4, ..., 256 on CPU
 
@@ -24,30 +23,6 @@ BUDGET = 256  # token buckets 1, 2, 4, ..., 256 on CPU
 def prompts():
     rng = np.random.default_rng(3)
     return [rng.integers(3, 500, size=n).tolist() for n in (200, 5, 17, 40)]
-
-
-def test_startup_order_is_the_decode_and_one_prefill_bucket_then_the_rest_smallest_first():
-    buckets = Buckets.from_config(
-        SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256), CompilationConfig(min_token_bucket=1)
-    )
-    first, rest = buckets.startup_order()
-    assert first == [1, FIRST_PREFILL_TOKENS]
-    assert rest == [t for t in buckets.tokens if t not in first] and rest == sorted(rest)
-    small = Buckets.from_config(
-        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), CompilationConfig(min_token_bucket=1)
-    )
-    assert small.startup_order() == ([1, 64], [2, 4, 8, 16, 32])
-
-
-def test_a_subset_picks_only_its_own_buckets():
-    buckets = Buckets.from_config(
-        SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8), CompilationConfig(min_token_bucket=1)
-    )
-    ready = buckets.subset([1, 128])
-    assert ready.pick(1, 1) == (1, 1)
-    assert ready.pick(3, 3) == (128, 8)  # nothing between 1 and 128 is compiled yet
-    assert ready.pick(128, 8) == (128, 8)
-    assert buckets.pick(3, 3) == (4, 4)
 
 
 @pytest.fixture

@@ -5,23 +5,23 @@ bfloat16; and the kernels lowered to Triton IR for a CUDA target (no GPU needed)
 
 Compilation dominates the cost here (a few seconds per configuration, running is
 milliseconds), so every configuration is compiled once (`_jit`) and runs all the batches
-that share its shapes: `build_case` pads every batch to the same array sizes."""
+that share its shapes: `PADDED_LAYOUT` pads every batch to the same array sizes."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernels.test_ragged_paged_attention import MIXES, assert_matches_dense, build_case
+from kernels.attention_cases import F32_TOL, MIXES, PADDED_LAYOUT, AttentionCase, build_case
 
 from pallas_kernels.ragged_paged_attention import gpu, reference
 
-# float32: kernel and dense attention both accumulate in float32, in a different order:
-# they agree to ~2e-6 on these unit-variance inputs, as the reference does.
-F32_TOL = dict(atol=2e-5, rtol=1e-5)
+# float32: F32_TOL, kernel and dense attention both accumulate in float32, in a different
+# order: they agree to ~2e-6 on these unit-variance inputs, as the reference does.
 # bfloat16: both sides read the same bfloat16 inputs, but the kernel feeds the
 # probabilities to the second matmul in bfloat16 (relative error 2^-9 per weight, a few
 # 1e-3 on the output after averaging) where the reference stays in float32, and both
@@ -41,31 +41,35 @@ def _jit(impl, traced_window: bool = False, **opts):
     return jax.jit(lambda *a: impl(*a, **opts))
 
 
-def _kernel(inputs, num_seqs, window=None, **opts):
-    args = (*inputs, num_seqs) if window is None else (*inputs, num_seqs, jnp.int32(window))
+def _kernel(args, window=None, **opts):
+    args = args if window is None else (*args, jnp.int32(window))
     out = _jit(gpu.ragged_paged_attention, window is not None, interpret=True, **opts)(*args)
     return np.asarray(out.astype(jnp.float32))
 
 
-def _reference(inputs, num_seqs, window=None, **opts):
-    args = (*inputs, num_seqs) if window is None else (*inputs, num_seqs, jnp.int32(window))
+def _reference(args, window=None, **opts):
+    args = args if window is None else (*args, jnp.int32(window))
     out = _jit(reference.ragged_paged_attention, window is not None, **opts)(*args)
     return np.asarray(out.astype(jnp.float32))
 
 
-def _case(seqs, group, head_dim, page_size, *, num_kv_heads=2, max_num_seqs=8, seed=0, dtype=None):
-    rng = np.random.default_rng(seed)
-    inputs, num_seqs, expected, scale = build_case(
-        rng, seqs, num_kv_heads * group, num_kv_heads, head_dim, page_size, max_num_seqs
+def _case(
+    seqs, group, head_dim, page_size, *, num_kv_heads=2, max_num_seqs=8, seed=0, dtype=None
+) -> AttentionCase:
+    """A float32 batch (its queries and pool cast to `dtype` when given)."""
+    case = build_case(
+        np.random.default_rng(seed),
+        seqs,
+        num_q_heads=num_kv_heads * group,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        max_num_seqs=max_num_seqs,
+        **PADDED_LAYOUT,
     )
     if dtype is not None:
-        q, kv, *rest = inputs
-        inputs = (q.astype(dtype), kv.astype(dtype), *rest)
-    return inputs, num_seqs, expected, scale
-
-
-def _num_rows(seqs):
-    return sum(q_len for _, q_len in seqs)
+        case = dataclasses.replace(case, q=case.q.astype(dtype), kv=case.kv.astype(dtype))
+    return case
 
 
 # GQA ratios 1, 2, 4, 8 x head_dim 64, 128 x page size 16, 32, pairwise: every pair of
@@ -87,11 +91,10 @@ def _num_rows(seqs):
 )
 def test_matches_dense_attention(group, head_dim, page_size):
     for mix in sorted(MIXES):
-        seqs = MIXES[mix](page_size)
-        inputs, num_seqs, expected, scale = _case(seqs, group, head_dim, page_size, seed=group + head_dim)
-        out = _kernel(inputs, num_seqs, sm_scale=scale)
-        np.testing.assert_allclose(out, expected, **F32_TOL, err_msg=mix)
-        assert np.all(out[_num_rows(seqs) :] == 0.0), mix  # padding rows
+        case = _case(MIXES[mix](page_size), group, head_dim, page_size, seed=group + head_dim)
+        out = _kernel(case.args, sm_scale=case.sm_scale)
+        np.testing.assert_allclose(out, case.expected(), **F32_TOL, err_msg=mix)
+        assert np.all(out[case.num_rows :] == 0.0), mix  # padding rows
 
 
 @pytest.mark.parametrize(
@@ -100,11 +103,10 @@ def test_matches_dense_attention(group, head_dim, page_size):
 )
 def test_group_and_head_dim_padding(group, head_dim, page_size):
     for mix in ["decode", "mixed"]:
-        seqs = MIXES[mix](page_size)
-        inputs, num_seqs, expected, scale = _case(seqs, group, head_dim, page_size, seed=group)
-        out = _kernel(inputs, num_seqs, sm_scale=scale)
-        np.testing.assert_allclose(out, expected, **F32_TOL, err_msg=mix)
-        assert np.all(out[_num_rows(seqs) :] == 0.0), mix
+        case = _case(MIXES[mix](page_size), group, head_dim, page_size, seed=group)
+        out = _kernel(case.args, sm_scale=case.sm_scale)
+        np.testing.assert_allclose(out, case.expected(), **F32_TOL, err_msg=mix)
+        assert np.all(out[case.num_rows :] == 0.0), mix
 
 
 # Contexts of several key blocks and decode splits, so windows start mid-split and whole
@@ -114,19 +116,18 @@ LONG = [(300, 1), (200, 70), (0, 5), (390, 1), (47, 1), (0, 33)]
 
 @pytest.mark.parametrize("window, cap", [(7, None), (40, 2.0)])
 def test_sliding_window_and_soft_cap(window, cap):
-    inputs, num_seqs, _, scale = _case(LONG, 2, 64, 16, seed=1)
-    out = _kernel(inputs, num_seqs, sm_scale=scale, sliding_window=window, soft_cap=cap)
-    q, kv, _, pages, cu = inputs
-    assert_matches_dense(out, q, kv, pages, cu, LONG, scale, window, cap)
-    assert np.all(out[_num_rows(LONG) :] == 0.0)
+    case = _case(LONG, 2, 64, 16, seed=1)
+    out = _kernel(case.args, sm_scale=case.sm_scale, sliding_window=window, soft_cap=cap)
+    np.testing.assert_allclose(out, case.expected(window, cap), **F32_TOL)
+    assert np.all(out[case.num_rows :] == 0.0)
 
 
 def test_traced_window_matches_the_reference():
     """One compilation serves every window; huge values mean full attention."""
-    inputs, num_seqs, _, scale = _case(LONG, 4, 64, 16, seed=2)
+    case = _case(LONG, 4, 64, 16, seed=2)
     for window in [1, 20, 64, 130, 10_000, 2**31 - 1]:
-        out = _kernel(inputs, num_seqs, window=window, sm_scale=scale)
-        want = _reference(inputs, num_seqs, window=window, sm_scale=scale)
+        out = _kernel(case.args, window=window, sm_scale=case.sm_scale)
+        want = _reference(case.args, window=window, sm_scale=case.sm_scale)
         np.testing.assert_allclose(out, want, **F32_TOL, err_msg=f"window {window}")
 
 
@@ -136,11 +137,11 @@ def test_traced_window_matches_the_reference():
 )
 def test_bfloat16_matches_the_reference(group, head_dim, page_size, window, cap):
     seqs = LONG if window else MIXES["mixed"](page_size)
-    inputs, num_seqs, _, scale = _case(seqs, group, head_dim, page_size, seed=3, dtype=jnp.bfloat16)
-    opts = dict(sm_scale=scale, sliding_window=window, soft_cap=cap)
-    out = _kernel(inputs, num_seqs, **opts)
-    np.testing.assert_allclose(out, _reference(inputs, num_seqs, **opts), **BF16_TOL)
-    assert np.all(out[_num_rows(seqs) :] == 0.0)
+    case = _case(seqs, group, head_dim, page_size, seed=3, dtype=jnp.bfloat16)
+    opts = dict(sm_scale=case.sm_scale, sliding_window=window, soft_cap=cap)
+    out = _kernel(case.args, **opts)
+    np.testing.assert_allclose(out, _reference(case.args, **opts), **BF16_TOL)
+    assert np.all(out[case.num_rows :] == 0.0)
 
 
 @pytest.mark.parametrize(
@@ -151,11 +152,10 @@ def test_bfloat16_matches_the_reference(group, head_dim, page_size, window, cap)
     ],
 )
 def test_tile_sizes_and_splits(tiles):
-    inputs, num_seqs, expected, scale = _case(LONG, 8, 64, 16, seed=4)
-    out = _kernel(inputs, num_seqs, sm_scale=scale, **tiles)
-    q, kv, _, pages, cu = inputs
-    assert_matches_dense(out, q, kv, pages, cu, LONG, scale)
-    assert np.all(out[_num_rows(LONG) :] == 0.0)
+    case = _case(LONG, 8, 64, 16, seed=4)
+    out = _kernel(case.args, sm_scale=case.sm_scale, **tiles)
+    np.testing.assert_allclose(out, case.expected(), **F32_TOL)
+    assert np.all(out[case.num_rows :] == 0.0)
 
 
 def test_auto_splits():
@@ -167,9 +167,9 @@ def test_auto_splits():
 def test_stale_slots_and_empty_batch():
     """Slots past num_seqs may hold stale lengths, page tables and query offsets from an
     earlier step: they must change nothing. With no sequences every row is zero."""
-    seqs = MIXES["mixed"](16)
-    (q, kv, kv_lens, pages, cu), num_seqs, expected, scale = _case(seqs, 2, 64, 16, seed=5)
-    n = len(seqs)
+    case = _case(MIXES["mixed"](16), 2, 64, 16, seed=5)
+    q, kv, kv_lens, pages, cu, num_seqs = case.args
+    n = len(case.seqs)
     stale = (
         q,
         kv,
@@ -177,10 +177,10 @@ def test_stale_slots_and_empty_batch():
         pages.at[n:].set(pages[:3]),
         cu.at[n + 1 :].set(jnp.asarray([7, 3, 400])),
     )
-    out = _kernel(stale, num_seqs, sm_scale=scale)
-    np.testing.assert_allclose(out, expected, **F32_TOL)
-    assert np.all(out[_num_rows(seqs) :] == 0.0)
-    assert np.all(_kernel(stale, jnp.zeros(1, jnp.int32), sm_scale=scale) == 0.0)
+    out = _kernel((*stale, num_seqs), sm_scale=case.sm_scale)
+    np.testing.assert_allclose(out, case.expected(), **F32_TOL)
+    assert np.all(out[case.num_rows :] == 0.0)
+    assert np.all(_kernel((*stale, jnp.zeros(1, jnp.int32)), sm_scale=case.sm_scale) == 0.0)
 
 
 @pytest.mark.parametrize(
@@ -202,14 +202,13 @@ def test_lowers_to_triton(monkeypatch, group, head_dim, window, cap):
         return result
 
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_keep)
-    inputs, num_seqs, _, scale = _case(MIXES["mixed"](16), group, head_dim, 16, dtype=jnp.bfloat16)
+    case = _case(MIXES["mixed"](16), group, head_dim, 16, dtype=jnp.bfloat16)
+    scale = case.sm_scale
     fn = lambda *a: gpu.ragged_paged_attention(*a[:-1], sm_scale=scale, sliding_window=a[-1], soft_cap=cap)  # noqa: E731
     window = None if window is None else jnp.int32(window)
     triton_call = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     try:
-        jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton_call])(
-            *inputs, num_seqs, window
-        )
+        jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton_call])(*case.args, window)
     except RuntimeError as e:  # newer jaxlibs compile to PTX while lowering: not without a GPU
         if "compilation handler" not in str(e):
             raise

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernels.attention_cases import build_case
 
 from jaxserve.layers.attention import _kernel, resolve_attention_backend
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
@@ -18,20 +19,18 @@ PLATFORM = jax.devices()[0].platform
 
 
 def _case(rng, seqs, num_q_heads, num_kv_heads, head_dim, page_size, dtype, max_num_seqs=16):
-    """seqs: (context_len, q_len) per sequence; pages scattered through the pool."""
-    pages_per_seq = max(-(-(c + q) // page_size) for c, q in seqs)
-    num_pages = 1 + max_num_seqs * pages_per_seq
-    kv = jnp.asarray(rng.standard_normal((num_pages, 2 * num_kv_heads, page_size, head_dim)), dtype)
-    pages = (1 + rng.permutation(max_num_seqs * pages_per_seq)).reshape(max_num_seqs, pages_per_seq)
-    q_lens = np.zeros(max_num_seqs, np.int32)
-    kv_lens = np.zeros(max_num_seqs, np.int32)
-    for i, (c, ql) in enumerate(seqs):
-        q_lens[i], kv_lens[i] = ql, c + ql
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    num_tokens = int(cu[-1]) + 7  # padding rows too
-    q = jnp.asarray(rng.standard_normal((num_tokens, num_q_heads, head_dim)), dtype)
-    args = (q, kv, jnp.asarray(kv_lens), jnp.asarray(pages, jnp.int32), jnp.asarray(cu))
-    return (*args, jnp.asarray([len(seqs)], jnp.int32))
+    """seqs: (context_len, q_len) per sequence; pages scattered through the pool, padding rows too."""
+    return build_case(
+        rng,
+        seqs,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        max_num_seqs=max_num_seqs,
+        num_tokens=sum(q_len for _, q_len in seqs) + 7,
+        dtype=dtype,
+    )
 
 
 BATCHES = {
@@ -48,10 +47,10 @@ BATCHES = {
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 256}, {"soft_cap": 30.0}])
 def test_kernel_matches_the_reference_on_the_device(batch, dtype, heads, options):
     kernel = _kernel(resolve_attention_backend("pallas", PLATFORM))
-    inputs = _case(np.random.default_rng(0), BATCHES[batch], *heads, 16, jnp.dtype(dtype))
+    case = _case(np.random.default_rng(0), BATCHES[batch], *heads, 16, jnp.dtype(dtype))
     scale = heads[2] ** -0.5
-    got = jax.jit(lambda *a: kernel(*a, sm_scale=scale, **options))(*inputs)
-    want = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=scale, **options))(*inputs)
+    got = jax.jit(lambda *a: kernel(*a, sm_scale=scale, **options))(*case.args)
+    want = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=scale, **options))(*case.args)
     # float32: both accumulate in float32 in a different order; bfloat16: outputs are rounded to
     # bfloat16 (8 bits of mantissa), so a few units in the last place of values of order 1.
     atol = 2e-5 if dtype == "float32" else 2e-2

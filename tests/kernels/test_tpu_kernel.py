@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_ragged_paged_attention import dense_attention, token_major
+from kernels.attention_cases import F32_TOL, AttentionCase, build_case
 
 from pallas_kernels.ragged_paged_attention import reference, tpu
 
@@ -47,40 +47,24 @@ def _shapes(page):
     return most_rows + 9, -(-longest // page) + 1
 
 
-def make_case(rng, seqs, group, head_dim, page, dtype, num_kv_heads=NUM_KV_HEADS):
-    """seqs: (context_len, q_len) per sequence. Pages scattered through a pool holding the
-    tables of all MAX_NUM_SEQS slots; padding query rows are NaN (they must stay apart)."""
+def make_case(rng, seqs, group, head_dim, page, dtype, num_kv_heads=NUM_KV_HEADS) -> AttentionCase:
+    """seqs: (context_len, q_len) per sequence, in the sizes every mix of this page size shares.
+    The tables of all MAX_NUM_SEQS slots hold pages; padding query rows are NaN (they must
+    stay apart)."""
     num_tokens, pages_per_seq = _shapes(page)
-    num_pages = 1 + MAX_NUM_SEQS * pages_per_seq
-    kv = jnp.asarray(rng.standard_normal((num_pages, 2 * num_kv_heads, page, head_dim)), dtype)
-    pages = (1 + rng.permutation(MAX_NUM_SEQS * pages_per_seq)).reshape(MAX_NUM_SEQS, pages_per_seq)
-    q_lens = np.zeros(MAX_NUM_SEQS, np.int32)
-    kv_lens = np.zeros(MAX_NUM_SEQS, np.int32)
-    for i, (c, ql) in enumerate(seqs):
-        q_lens[i], kv_lens[i] = ql, c + ql
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    q = rng.standard_normal((num_tokens, group * num_kv_heads, head_dim))
-    q[cu[-1] :] = np.nan
-    args = (jnp.asarray(q, dtype), kv, jnp.asarray(kv_lens), jnp.asarray(pages, jnp.int32), jnp.asarray(cu))
-    return (*args, jnp.asarray([len(seqs)], jnp.int32))
-
-
-def dense_expected(case, seqs, window=None, cap=None):
-    """Every sequence's rows by dense numpy attention in float64 on the (possibly bfloat16)
-    inputs; padding rows zero."""
-    q, kv, _, pages, cu, _ = case
-    q = np.asarray(q, np.float64)
-    page = kv.shape[2]
-    pool = token_major(np.asarray(kv, np.float64))
-    out = np.zeros_like(q)
-    for i, (c, ql) in enumerate(seqs):
-        pos = np.arange(c + ql)
-        flat = np.asarray(pages)[i, pos // page] * page + pos % page
-        rows = slice(int(cu[i]), int(cu[i + 1]))
-        out[rows] = dense_attention(
-            q[rows], pool[flat, :, 0], pool[flat, :, 1], c, q.shape[-1] ** -0.5, window, cap
-        )
-    return out
+    return build_case(
+        rng,
+        seqs,
+        num_q_heads=group * num_kv_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page,
+        max_num_seqs=MAX_NUM_SEQS,
+        num_tokens=num_tokens,
+        pages_per_seq=pages_per_seq,
+        dtype=dtype,
+        nan_padding=True,
+    )
 
 
 # float32: kernel and dense attention both sum in (at least) float32, in different orders.
@@ -88,7 +72,7 @@ def dense_expected(case, seqs, window=None, cap=None):
 # feeds p to the second matmul in bfloat16 (2^-9 relative per weight, averaging out) and
 # rounds its output to bfloat16 (2^-9 relative); the outputs are below 4 in size, so the
 # two differ by at most about one bfloat16 step (0.008 to 0.016): seen up to 0.008 here.
-TOLERANCE = {jnp.float32: dict(atol=2e-5, rtol=1e-5), jnp.bfloat16: dict(atol=1.5e-2, rtol=1e-2)}
+TOLERANCE = {jnp.float32: F32_TOL, jnp.bfloat16: dict(atol=1.5e-2, rtol=1e-2)}
 
 
 @functools.cache
@@ -115,13 +99,13 @@ def _reference(head_dim, cap):
     return jax.jit(run)
 
 
-def _check(case, seqs, dtype, window=None, cap=None, **blocks):
-    head_dim = case[0].shape[-1]
-    out = _kernel(head_dim, soft_cap=cap, **blocks)(*case, *([] if window is None else [window]))
-    assert out.dtype == dtype and out.shape == case[0].shape
+def _check(case: AttentionCase, dtype, window=None, cap=None, **blocks):
+    head_dim = case.q.shape[-1]
+    out = _kernel(head_dim, soft_cap=cap, **blocks)(*case.args, *([] if window is None else [window]))
+    assert out.dtype == dtype and out.shape == case.q.shape
     out = np.asarray(out, np.float64)
-    assert np.all(out[int(case[4][-1]) :] == 0.0)  # padding rows (NaN queries) are zeros
-    np.testing.assert_allclose(out, dense_expected(case, seqs, window, cap), **TOLERANCE[dtype])
+    assert np.all(out[int(case.cu_q_lens[-1]) :] == 0.0)  # padding rows (NaN queries) are zeros
+    np.testing.assert_allclose(out, case.expected(window, cap), **TOLERANCE[dtype])
     return out
 
 
@@ -148,7 +132,7 @@ def test_kernel_matches_dense_attention(config, mix):
     rng = np.random.default_rng(zlib.crc32(repr((config, mix)).encode()))
     seqs = MIXES[mix](page)
     case = make_case(rng, seqs, group, head_dim, page, jnp.float32)
-    _check(case, seqs, jnp.float32, block_q=block_q, pages_per_block=pages_per_block)
+    _check(case, jnp.float32, block_q=block_q, pages_per_block=pages_per_block)
 
 
 # Windows from one key to more than the longest context (a window that wide is full
@@ -158,7 +142,7 @@ def test_traced_sliding_window(window):
     rng = np.random.default_rng(window % 1000)
     seqs = MIXES["mixed"](16) + [(45, 1)]
     case = make_case(rng, seqs, 2, 64, 16, jnp.float32)
-    _check(case, seqs, jnp.float32, window=jnp.int32(window), block_q=16, pages_per_block=1)
+    _check(case, jnp.float32, window=jnp.int32(window), block_q=16, pages_per_block=1)
 
 
 @pytest.mark.parametrize(
@@ -170,7 +154,7 @@ def test_static_window_and_soft_cap(window, cap, page):
     rng = np.random.default_rng(7)
     seqs = MIXES["mixed"](page)
     case = make_case(rng, seqs, 4, 64, page, jnp.float32)
-    head_dim = case[0].shape[-1]
+    head_dim = case.q.shape[-1]
     run = jax.jit(
         lambda *a: tpu.ragged_paged_attention(
             *a,
@@ -181,8 +165,8 @@ def test_static_window_and_soft_cap(window, cap, page):
             interpret=True,
         )
     )
-    out = np.asarray(run(*case))
-    np.testing.assert_allclose(out, dense_expected(case, seqs, window, cap), **TOLERANCE[jnp.float32])
+    out = np.asarray(run(*case.args))
+    np.testing.assert_allclose(out, case.expected(window, cap), **TOLERANCE[jnp.float32])
 
 
 @pytest.mark.parametrize("mix", sorted(MIXES))
@@ -197,9 +181,9 @@ def test_bfloat16(config, window, cap, mix):
     seqs = MIXES[mix](page)
     case = make_case(rng, seqs, group, head_dim, page, jnp.bfloat16)
     window = None if window is None else jnp.int32(window)
-    out = _check(case, seqs, jnp.bfloat16, window, cap, block_q=block_q, pages_per_block=pages_per_block)
+    out = _check(case, jnp.bfloat16, window, cap, block_q=block_q, pages_per_block=pages_per_block)
     # The reference on the same bfloat16 inputs (float32 inside, bfloat16 out).
-    want = _reference(head_dim, cap)(*case, window)
+    want = _reference(head_dim, cap)(*case.args, window)
     np.testing.assert_allclose(out, np.asarray(want, np.float64), **TOLERANCE[jnp.bfloat16])
 
 
@@ -208,7 +192,7 @@ def test_matches_reference_with_stale_slots():
     ends); the kernel agrees with the reference on every row, padding rows included."""
     rng = np.random.default_rng(5)
     seqs = MIXES["mixed"](16)
-    q, kv, kv_lens, pages, cu, num_seqs = make_case(rng, seqs, 2, 64, 16, jnp.float32)
+    q, kv, kv_lens, pages, cu, num_seqs = make_case(rng, seqs, 2, 64, 16, jnp.float32).args
     q = jnp.where(jnp.isnan(q), 1.0, q)  # the reference multiplies padding rows too
     kv_lens = kv_lens.at[len(seqs) :].set(7)
     cu = cu.at[len(seqs) + 1 :].set(cu[len(seqs)] + 3 * jnp.arange(1, MAX_NUM_SEQS - len(seqs) + 1))
@@ -221,7 +205,7 @@ def test_matches_reference_with_stale_slots():
 
 def test_empty_batch_is_all_zeros():
     rng = np.random.default_rng(6)
-    q, kv, kv_lens, pages, cu, _ = make_case(rng, [], 2, 64, 16, jnp.float32)
+    q, kv, kv_lens, pages, cu, _ = make_case(rng, [], 2, 64, 16, jnp.float32).args
     out = _kernel(64, soft_cap=None, block_q=16, pages_per_block=1)(
         jnp.zeros_like(q), kv, kv_lens, pages, cu, jnp.zeros((1,), jnp.int32)
     )
@@ -252,13 +236,18 @@ def test_window_per_layer_in_a_scan():
 
     def layer(carry, window):
         out = tpu.ragged_paged_attention(
-            *case, sm_scale=64**-0.5, sliding_window=window, block_q=16, pages_per_block=1, interpret=True
+            *case.args,
+            sm_scale=64**-0.5,
+            sliding_window=window,
+            block_q=16,
+            pages_per_block=1,
+            interpret=True,
         )
         return carry, out
 
     _, outs = jax.jit(lambda w: jax.lax.scan(layer, 0, w))(windows)
     for window, out in zip(np.asarray(windows), np.asarray(outs)):
-        np.testing.assert_allclose(out, dense_expected(case, seqs, int(window)), **TOLERANCE[jnp.float32])
+        np.testing.assert_allclose(out, case.expected(int(window)), **TOLERANCE[jnp.float32])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -270,7 +259,7 @@ def test_group_not_a_power_of_two(mix, dtype):
     rng = np.random.default_rng(12)
     seqs = MIXES[mix](16)
     case = make_case(rng, seqs, 3, 64, 16, dtype)
-    _check(case, seqs, dtype, block_q=16, pages_per_block=1)
+    _check(case, dtype, block_q=16, pages_per_block=1)
 
 
 @pytest.mark.parametrize(
@@ -329,7 +318,7 @@ def test_lowers_to_mosaic(monkeypatch, generation, group, head_dim, page, dtype,
             *a[:-1], sm_scale=head_dim**-0.5, sliding_window=a[-1], soft_cap=cap
         )
     )
-    exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*case, window)
+    exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*case.args, window)
     assert exported.mlir_module().count("tpu_custom_call") == 1
     assert len(modules) == 1 and modules[0].operation.verify()
     text = str(modules[0])

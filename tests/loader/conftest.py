@@ -6,6 +6,7 @@ import os
 
 import pytest
 from tiny_checkpoints import TinyGguf, write_tiny_gguf
+from tiny_models import TINY_LLAMA
 
 
 @pytest.fixture(scope="session", params=[True, False], ids=["tied", "untied"])
@@ -16,18 +17,11 @@ def tiny_gguf(request, tmp_path_factory) -> TinyGguf:
 
 @pytest.fixture(scope="session")
 def tiny_hf_model():
-    """A random 2-layer LlamaForCausalLM (torch) to save in every checkpoint layout."""
+    """A random 2-layer LlamaForCausalLM (torch) to save in every checkpoint layout: the tiny
+    Llama, with a smaller vocabulary, MLP and context so that its files stay small."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
+    small = {"vocab_size": 128, "intermediate_size": 96, "max_position_embeddings": 128}
+    config = transformers.LlamaConfig(**{**TINY_LLAMA, **small, "tie_word_embeddings": False})
     return transformers.LlamaForCausalLM(config).eval()

@@ -1,8 +1,9 @@
 """Tiny GGUF files for the loader tests, written the way llama.cpp's converter writes them.
 
 The writer does what llama.cpp's ``convert_hf_to_gguf.py`` does to a Llama checkpoint (renaming,
-permuting q/k rows, quantizing), so reading a file back must give the original tensors. Kept out
-of conftest.py so test modules can import it under a name no other test directory uses.
+permuting q/k rows, quantizing), so reading a file back must give the original tensors. The
+model is the tiny Llama of tiny_models.py (its vocabulary and MLP sized here). Kept out of
+conftest.py so test modules can import it under a name no other test directory uses.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 
 import gguf
 import numpy as np
+from tiny_models import TINY_LLAMA
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -104,7 +106,9 @@ def write_tiny_gguf(
     rng = np.random.default_rng(seed)
     vocab_meta = gpt2_tokenizer_metadata() if tokenizer == "gpt2" else llama_tokenizer_metadata()
     tokens = vocab_meta["tokens"]
-    hidden, layers, heads, kv_heads, vocab = 64, 2, 4, 2, len(tokens)
+    hidden, layers = TINY_LLAMA["hidden_size"], TINY_LLAMA["num_hidden_layers"]
+    heads, kv_heads = TINY_LLAMA["num_attention_heads"], TINY_LLAMA["num_key_value_heads"]
+    rms_norm_eps, vocab = TINY_LLAMA["rms_norm_eps"], len(tokens)
     inter = 96 if ffn_down_type is None else 256
     head_dim = hidden // heads
     config = {
@@ -116,9 +120,9 @@ def write_tiny_gguf(
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": float(np.float32(1e-5)),
+        "rms_norm_eps": float(np.float32(rms_norm_eps)),
         "rope_theta": 10000.0,
-        "max_position_embeddings": 256,
+        "max_position_embeddings": TINY_LLAMA["max_position_embeddings"],
         "vocab_size": vocab,
         "tie_word_embeddings": tied,
         "bos_token_id": 1,
@@ -135,7 +139,7 @@ def write_tiny_gguf(
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(config["rope_theta"])
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_layer_norm_rms_eps(rms_norm_eps)
     writer.add_tokenizer_model(vocab_meta["model"])
     writer.add_token_list(tokens)
     writer.add_token_types(vocab_meta["types"])
