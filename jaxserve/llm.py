@@ -11,7 +11,8 @@ from tqdm.auto import tqdm
 
 from jaxserve import beam_search as beam
 from jaxserve.args import EngineArgs
-from jaxserve.engine.llm_engine import LLMEngine, PromptType
+from jaxserve.engine.input_processor import PromptType
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 

@@ -34,7 +34,9 @@ from jaxserve.beam_search import (
     step_params,
 )
 from jaxserve.config import EngineConfig
-from jaxserve.engine.llm_engine import EngineDeadError, LLMEngine, ParentRequest, PromptType
+from jaxserve.engine.input_processor import PromptType
+from jaxserve.engine.llm_engine import EngineDeadError, LLMEngine
+from jaxserve.engine.parent_request import ParentRequest
 from jaxserve.engine.router import Router
 from jaxserve.engine.stats import IterationStats, SchedulerStats
 from jaxserve.outputs import RequestOutput

@@ -1,8 +1,8 @@
 """Incremental detokenization and stop strings, one instance per request.
 
-LLMEngine feeds each request's new token ids here after Scheduler.update(); the text goes
-to the request's stream. A stop string found here is reported back to the engine, which
-finishes the request through Scheduler.finish_requests().
+The OutputProcessor feeds each request's new token ids here after Scheduler.update(); the
+text goes to the request's stream. A stop string found here is handed to the Scheduler, which
+finishes the request (Scheduler.stop_on_strings).
 
 Decoding tokens one at a time is wrong for most tokenizers (a space-marker token decodes
 differently at the start of a string, a character can span several byte tokens), and

@@ -319,8 +319,8 @@ class Scheduler:
         status: RequestStatus,
         stop_reason: int | str | None = None,
     ) -> None:
-        """Finish requests from outside the step: aborts, and stop strings the detokenizer
-        found (pass the string as stop_reason). Unknown or finished ids are ignored."""
+        """Finish requests from outside the step (aborts, failed steps). Unknown or finished ids
+        are ignored."""
         if not status.finished:
             raise ValueError(f"{status} is not a finished status.")
         if isinstance(request_ids, str):
@@ -332,6 +332,17 @@ class Scheduler:
             if stop_reason is not None:
                 req.stop_reason = stop_reason
             self._finish(req, status)
+
+    def stop_on_strings(self, stops: Iterable[tuple[Request, str]]) -> None:
+        """Stop strings the detokenizer found after update(): each request finishes as a stop
+        with the string as its stop_reason. One that the same token already finished on length
+        becomes a stop too, as vLLM reports it; one finished by EOS or a stop token id stays."""
+        for req, stop in stops:
+            if not req.is_finished:
+                req.stop_reason = stop
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+            elif req.status == RequestStatus.FINISHED_LENGTH:
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status == RequestStatus.RUNNING:

@@ -60,14 +60,14 @@ def test_beams_ending_at_eos_match_transformers(llm, tiny_llama_gqa, prompts, wi
         use_tqdm=False,
     )[0]
     eos = greedy.outputs[0].token_ids[2]
-    saved = engine.eos_token_id
-    engine.eos_token_id = eos
+    saved = engine.input_processor.eos_token_id
+    engine.input_processor.eos_token_id = eos
     try:
         ours = llm.beam_search(
             {"prompt_token_ids": prompt}, BeamSearchParams(beam_width=width, max_tokens=8)
         )[0]
     finally:
-        engine.eos_token_id = saved
+        engine.input_processor.eos_token_id = saved
     want_seqs, want_scores = hf_beams(model, prompt, width, 8, 1.0, eos=eos)
     _check(ours, prompt, want_seqs, want_scores)
     assert any(s.finish_reason == "stop" and s.tokens[-1] == eos for s in ours.sequences)

@@ -131,7 +131,7 @@ def test_bad_words_give_transformers_greedy_tokens(llm, model, prompts):
     single = next(t for o in outs for t in o[1:] if round_trips([t]))
     pair = next(o[i : i + 2] for o in outs for i in range(1, len(o) - 1) if round_trips(o[i : i + 2]))
     words = [tok.decode([single]), tok.decode(pair)]
-    ids = engine._bad_words_token_ids(words)
+    ids = engine.input_processor.bad_words_token_ids(words)
     assert [single] in ids and pair in ids
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, bad_words=words)
     ours = _generate(llm, prompts, params)

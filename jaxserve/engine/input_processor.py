@@ -1,0 +1,190 @@
+"""InputProcessor: from what a caller asks for to a checked ParentRequest, touching no queue.
+
+Where it sits: the first step of a request inside the engine, before the Scheduler. Every
+check that can refuse a request runs here (prompt length and ids, logprob limits, token ids in
+logit_bias / allowed_token_ids / bad_words, the per-step mask budget), so a refused request
+costs nothing downstream and a server can call this on its own thread (it reads only frozen
+config and the tokenizer). It also fixes what each child sequence needs for its whole life:
+its seed, its stop token ids (with the model's extra EOS ids), its device-slot contents.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.parent_request import ParentRequest
+from jaxserve.engine.request import Request
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler_output import MAX_BANNED_TOKENS, LogitsSpec
+
+PromptType = str | Sequence[int] | Mapping
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, generation_config: Mapping):
+        """vocab_size: the model's output width (ids in logit_bias and friends must fit it)."""
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id, self.extra_eos_ids = self._eos_ids(generation_config)
+        self._seed_rng = np.random.default_rng(config.model_config.seed)
+
+    def _eos_ids(self, generation_config: Mapping) -> tuple[int | None, set[int]]:
+        """The tokenizer's eos, plus any other end-of-sequence ids the model or its
+        generation config name (Llama 3 lists several), which stop like stop_token_ids."""
+        ids = []
+        for source in (self.config.model_config.hf_config, generation_config):
+            eos = source.get("eos_token_id")
+            ids += list(eos) if isinstance(eos, list) else ([] if eos is None else [eos])
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        primary = tok_eos if tok_eos is not None else (ids[0] if ids else None)
+        return primary, {i for i in ids if i != primary}
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("Text prompts need a tokenizer (skip_tokenizer_init is set).")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, [int(t) for t in prompt]
+
+    def check_prompt_token_ids(self, token_ids: Sequence[int]) -> None:
+        vocab = self.config.model_config.get("vocab_size")
+        if vocab is not None and any(t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"Prompt token ids must be in [0, {vocab}).")
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> ParentRequest:
+        """Check and tokenize a request and build its child sequences; ValueError on bad input."""
+        if priority != 0 and self.config.scheduler_config.policy != "priority":
+            raise ValueError("priority is only honoured with scheduling_policy='priority'.")
+        text, token_ids = self.tokenize_prompt(prompt)
+        max_len = self.config.model_config.max_model_len
+        if not token_ids:
+            raise ValueError("The prompt is empty.")
+        self.check_prompt_token_ids(token_ids)
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"The prompt has {len(token_ids)} tokens; max_model_len is {max_len}, which leaves no room "
+                "to generate."
+            )
+        self._check_logprobs(params)
+        spec, bad_words = self._logits_spec(params)
+        masked = len(bad_words) + (
+            len(set(params.stop_token_ids) | self.extra_eos_ids) + 1 if params.min_tokens else 0
+        )
+        if masked > MAX_BANNED_TOKENS:
+            raise ValueError(
+                f"At most {MAX_BANNED_TOKENS} token ids can be masked per step: min_tokens masks the EOS and "
+                f"stop token ids, and each multi-token bad word one more; this request needs {masked}."
+            )
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        room = max_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        best_of = params.best_of or params.n
+        parent = ParentRequest(
+            request_id, text, token_ids, [], arrival_time=arrival_time, n=params.n, best_of=best_of
+        )
+        for i in range(best_of):
+            child_params = params.clone(n=1, best_of=None)
+            if params.seed is not None:
+                child_params.seed = params.seed + i
+            child_params.stop_token_ids = sorted(set(child_params.stop_token_ids) | self.extra_eos_ids)
+            seed = child_params.seed if child_params.seed is not None else int(self._seed_rng.integers(2**31))
+            child = Request(
+                request_id if best_of == 1 else f"{i}_{request_id}",
+                token_ids,
+                child_params,
+                seed=seed,
+                eos_token_id=self.eos_token_id,
+                prompt=text,
+                priority=priority,
+                arrival_time=arrival_time,
+                max_tokens=max_tokens,
+            )
+            child.logits_spec, child.bad_words = spec, bad_words
+            child.wants_prompt_logprobs = params.prompt_logprobs is not None and i == 0  # once per request
+            child.shares_prompt_with = parent.children[0] if i else None
+            parent.children.append(child)
+            parent.logprob_dicts.append([])
+            det = None
+            if self.tokenizer is not None and child_params.detokenize:
+                det = IncrementalDetokenizer(self.tokenizer, child)
+            parent.detokenizers.append(det)
+        return parent
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        limit = self.config.model_config.max_logprobs
+        for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            value = getattr(params, name)
+            if value is not None and limit != -1 and (value == -1 or value > limit):
+                raise ValueError(
+                    f"Requested {what} logprobs of {value}, which is greater than max allowed: {limit} "
+                    "(--max-logprobs)."
+                )
+
+    def _logits_spec(self, params: SamplingParams) -> tuple[LogitsSpec | None, tuple[tuple[int, ...], ...]]:
+        """The request's device slot contents (None if it needs no slot) and its multi-token
+        bad words; ValueError for token ids outside the vocabulary."""
+        vocab = self.vocab_size
+
+        def check(ids, what: str) -> None:
+            bad = sorted({t for t in ids if not 0 <= t < vocab})
+            if bad:
+                raise ValueError(f"{what} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}.")
+
+        bias = [(int(t), float(v)) for t, v in (params.logit_bias or {}).items()]
+        check([t for t, _ in bias], "logit_bias")
+        allowed = params.allowed_token_ids
+        if allowed is not None:
+            if not allowed:
+                raise ValueError("allowed_token_ids must not be empty.")
+            check(allowed, "allowed_token_ids")
+            allowed = tuple(sorted(set(allowed)))
+        multi: list[tuple[int, ...]] = []
+        for ids in self.bad_words_token_ids(params.bad_words or []):
+            if len(ids) == 1:
+                bias.append((ids[0], -float("inf")))
+            elif tuple(ids) not in multi:
+                multi.append(tuple(ids))
+        penalised = (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) != (
+            0.0,
+            0.0,
+            1.0,
+        )
+        needs_slot = penalised or bias or allowed is not None
+        return (LogitsSpec(tuple(bias), allowed) if needs_slot else None), tuple(multi)
+
+    def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """Each bad word as the tokenizer writes it at the start of a text and, where that
+        differs, after a space (vLLM's rule: the spaced form counts when it is as many tokens
+        and starts with a different one)."""
+        if words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer (skip_tokenizer_init is set).")
+        out = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError(f"bad_words entry {word!r} has no tokens.")
+            out.append(plain)
+            if len(spaced) == len(plain) and spaced[0] != plain[0]:
+                out.append(spaced)
+        return out

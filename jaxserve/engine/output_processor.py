@@ -1,0 +1,176 @@
+"""OutputProcessor: from the tokens a step produced to the RequestOutputs callers see.
+
+Where it sits: the last step of the engine's loop, after Scheduler.update(). It holds every
+live ParentRequest from enqueue to its final output, and for each new token it detokenizes
+incrementally (reporting stop strings, which the Scheduler then applies: it alone writes request
+state), builds vLLM's logprob dicts once per row, chooses the n best of best_of samples at the
+end, and records the per-request timings the metrics are made of.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from jaxserve.engine.parent_request import ParentRequest
+from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.stats import FinishedRequestStats, IterationStats
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.scheduler_output import TopLogprobs
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentRequest] = {}
+        self._children: dict[str, tuple[ParentRequest, int]] = {}  # child id -> (parent, index)
+        self._last_token_time: dict[str, float] = {}  # child id -> when its last token came out
+
+    # ---- the registry ---------------------------------------------------------------------
+
+    def add(self, parent: ParentRequest) -> None:
+        self.parents[parent.request_id] = parent
+        for i, child in enumerate(parent.children):
+            self._children[child.request_id] = (parent, i)
+
+    def pop(self, request_id: str) -> ParentRequest | None:
+        """Forget a request (finished, aborted or failed); None if it is not live."""
+        parent = self.parents.pop(request_id, None)
+        if parent is not None:
+            for child in parent.children:
+                self._children.pop(child.request_id, None)
+                self._last_token_time.pop(child.request_id, None)
+        return parent
+
+    def parent_ids(self, child_ids: Sequence[str]) -> set[str]:
+        return {self._children[c][0].request_id for c in child_ids if c in self._children}
+
+    # ---- a step's tokens -------------------------------------------------------------------
+
+    def detokenize(self, updated: Sequence[Request]) -> list[tuple[Request, str]]:
+        """Feed each request's new token to its detokenizer; the stop strings that completed."""
+        stops = []
+        for req in updated:
+            entry = self._children.get(req.request_id)
+            det = entry[0].detokenizers[entry[1]] if entry else None
+            if det is None:
+                continue
+            stopped = req.status == RequestStatus.FINISHED_STOPPED
+            stop = det.update(req.output_token_ids[-1:], stop_terminated=stopped)
+            if stop is not None:
+                stops.append((req, stop))
+        return stops
+
+    def make_outputs(self, updated: Sequence[Request], stats: IterationStats) -> list[RequestOutput]:
+        """A RequestOutput for every request that got a token (best_of > n: only at the end,
+        when the best samples are known); finished requests are forgotten."""
+        now = time.monotonic()
+        changed: dict[str, ParentRequest] = {}
+        for req in updated:
+            entry = self._children.get(req.request_id)
+            if entry is None:
+                continue
+            self._record_token(stats, entry[0], req, now)
+            changed[entry[0].request_id] = entry[0]
+        outputs = [self.make_output(p) for p in changed.values() if p.finished or p.best_of == p.n]
+        for out in outputs:
+            if out.finished:
+                self.record_finished(stats, self.pop(out.request_id), now)
+        return outputs
+
+    def _record_token(self, stats: IterationStats, parent: ParentRequest, req: Request, now: float) -> None:
+        stats.num_generation_tokens += 1
+        last = self._last_token_time.get(req.request_id)
+        if last is not None:
+            stats.inter_token_latencies.append(now - last)
+        self._last_token_time[req.request_id] = now
+        if parent.first_token_time is None:
+            parent.first_token_time = now
+            stats.num_prompt_tokens += len(parent.prompt_token_ids)
+            stats.time_to_first_tokens.append(now - parent.arrival_time)
+
+    def record_finished(self, stats: IterationStats, parent: ParentRequest, now: float) -> None:
+        stats.finished.append(
+            FinishedRequestStats(
+                finish_reason=parent.children[0].status.finish_reason,
+                e2e_latency=now - parent.arrival_time,
+                num_prompt_tokens=len(parent.prompt_token_ids),
+                num_generation_tokens=sum(c.num_output_tokens for c in parent.children),
+            )
+        )
+
+    # ---- building outputs ------------------------------------------------------------------
+
+    def make_output(self, parent: ParentRequest) -> RequestOutput:
+        """The request's outputs so far. With best_of > n, the n samples of highest
+        cumulative logprob once all have finished (nothing is reported before)."""
+        chosen = list(range(len(parent.children)))
+        if parent.best_of > parent.n:
+            if parent.finished:
+                chosen.sort(key=lambda i: -parent.children[i].cumulative_logprob)
+            chosen = chosen[: parent.n] if parent.finished else []
+        completions = []
+        for index, i in enumerate(chosen):
+            child, det = parent.children[i], parent.detokenizers[i]
+            wants = child.sampling_params.logprobs is not None
+            logprobs = None
+            if wants:
+                logprobs = self._logprob_dicts(
+                    parent.logprob_dicts[i],
+                    child.output_logprobs,
+                    child.output_token_ids,
+                    child.sampling_params.logprobs,
+                )
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=det.stream_text(child.is_finished) if det is not None else "",
+                    token_ids=list(child.output_token_ids),
+                    cumulative_logprob=child.cumulative_logprob if wants else None,
+                    logprobs=logprobs,
+                    finish_reason=child.status.finish_reason,
+                    stop_reason=child.stop_reason,
+                )
+            )
+        first = parent.children[0]
+        prompt_logprobs = None
+        if first.wants_prompt_logprobs:
+            dicts = self._logprob_dicts(
+                parent.prompt_logprob_dicts,
+                first.prompt_logprobs,
+                parent.prompt_token_ids[1:],
+                first.sampling_params.prompt_logprobs,
+            )
+            prompt_logprobs = [None, *dicts]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=parent.finished,
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+
+    def _logprob_dicts(
+        self, built: list[dict], rows: list[TopLogprobs], chosen: Sequence[int], k: int
+    ) -> list[dict[int, Logprob]]:
+        """vLLM's logprobs: per position the chosen token, then the top k (-1: all) with
+        their ranks and texts. Extends `built` with the rows that arrived since."""
+        for row, token in zip(rows[len(built) :], chosen[len(built) :]):
+            k_row = len(row.ids) if k == -1 else k
+            ids = [int(token), *row.ids[:k_row].tolist()]
+            lps = [float(row.chosen_logprobs), *row.logprobs[:k_row].tolist()]
+            ranks = [int(row.chosen_ranks), *range(1, k_row + 1)]
+            texts = self._token_texts(ids)
+            entry: dict[int, Logprob] = {}
+            for t, lp, rank, text in zip(ids, lps, ranks, texts):
+                entry.setdefault(t, Logprob(lp, rank, text))
+            built.append(entry)
+        return list(built)
+
+    def _token_texts(self, ids: list[int]) -> list[str | None]:
+        if self.tokenizer is None:
+            return [None] * len(ids)
+        tokens = self.tokenizer.convert_ids_to_tokens(ids)
+        return [self.tokenizer.convert_tokens_to_string([t]) if t is not None else "" for t in tokens]

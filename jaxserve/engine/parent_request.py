@@ -1,0 +1,35 @@
+"""ParentRequest: one user request as the engine's front and back see it.
+
+The InputProcessor builds it (prompt, n child sequences that share the prompt's pages), the
+Scheduler runs its children as independent Requests, and the OutputProcessor keeps on it what
+turns tokens into outputs: a detokenizer per child and the logprob dicts built so far.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.request import Request
+
+
+@dataclass
+class ParentRequest:
+    """A user request: the prompt and its child sequences (best_of of them, n reported)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
+    # Logprob dicts already built, per child and for the prompt (built once, as rows arrive).
+    logprob_dicts: list[list[dict]] = field(default_factory=list)
+    prompt_logprob_dicts: list[dict] = field(default_factory=list)
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    n: int = 1  # samples to return
+    best_of: int = 1  # samples to run (the n of highest cumulative logprob are returned)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.is_finished for c in self.children)

@@ -1,0 +1,172 @@
+"""The real engine (input checks, scheduler, detokenizer, outputs) driven by a fake runner.
+
+LLMEngine takes its device side as an argument; a runner that answers instantly and
+predictably makes the host-side logic testable on its own: stop strings finish through the
+Scheduler (which frees the pages), n/best_of choose by cumulative logprob, a failing step fails
+only its own requests, an abort frees everything. No JAX step is compiled here.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+from tiny_models import engine_kwargs
+
+from jaxserve import SamplingParams
+from jaxserve.args import EngineArgs
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput, TopLogprobs
+
+
+class FakeRunner:
+    """ModelRunner's interface without a device. Each sampled token is the row's last token + 1
+    (mod the vocabulary), with logprob -(1 + seed % 5) / 10, so children of one request differ in
+    cumulative logprob by their seeds."""
+
+    def __init__(self, num_blocks: int, vocab_size: int):
+        self.num_blocks = num_blocks
+        self.args = types.SimpleNamespace(vocab_size=vocab_size)
+        self.ready_token_budget = None  # the scheduler's own budget
+        self.kv_pool_lost = False
+        self.fail_next = 0  # steps to fail from now on
+        self.steps: list[SchedulerOutput] = []
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.steps.append(sched)
+        if self.fail_next:
+            self.fail_next -= 1
+            raise RuntimeError("the device is on fire")
+        rows = [s for s in sched.seqs if s.sampling is not None]
+        tokens = np.array([(s.token_ids[-1] + 1) % self.args.vocab_size for s in rows], np.int32)
+        logprobs = np.array([-(1 + s.sampling.seed % 5) / 10 for s in rows], np.float32)
+        top = None
+        if any(s.sampling.logprobs is not None for s in rows):  # the sampled token is the likeliest
+            top = TopLogprobs(
+                ids=tokens[:, None], logprobs=logprobs[:, None], chosen_logprobs=logprobs,
+                chosen_ranks=np.ones(len(rows), np.int32),
+            )  # fmt: skip
+        return ModelRunnerOutput(
+            req_ids=tuple(s.request_id for s in rows),
+            sampled_token_ids=tokens,
+            logprobs=logprobs,
+            top_logprobs=top,
+        )
+
+    def reset_kv_pool(self) -> None:
+        self.kv_pool_lost = False
+
+
+@pytest.fixture
+def engine(tiny_llama_gqa):
+    kwargs = engine_kwargs(max_num_seqs=4, num_gpu_blocks_override=32)
+    kwargs.pop("compilation_config")
+    config = EngineArgs(model=tiny_llama_gqa[0], **kwargs).create_engine_config()
+    runner = FakeRunner(config.cache_config.num_gpu_blocks_override, config.model_config.get("vocab_size"))
+    return LLMEngine(config, runner=runner)
+
+
+def _run(engine: LLMEngine, max_steps: int = 200) -> dict[str, object]:
+    """Step until idle; the last output of each request."""
+    final = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return final
+        for out in engine.step():
+            final[out.request_id] = out
+    raise AssertionError("the engine did not finish")
+
+
+def _all_pages_free(engine: LLMEngine) -> bool:
+    bm = engine.scheduler.block_manager
+    return bm.num_free_blocks == bm.num_usable_blocks and not engine.scheduler.has_unfinished_requests()
+
+
+def test_tokens_flow_from_the_runner_to_the_outputs(engine):
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.add_request("b", {"prompt_token_ids": [40] * 20}, SamplingParams(max_tokens=3, ignore_eos=True))
+    final = _run(engine)
+    assert final["a"].outputs[0].token_ids == [8, 9, 10, 11, 12, 13]
+    assert final["b"].outputs[0].token_ids == [41, 42, 43]
+    assert {o.outputs[0].finish_reason for o in final.values()} == {"length"}
+    assert final["a"].outputs[0].text == engine.tokenizer.decode([8, 9, 10, 11, 12, 13])
+    assert _all_pages_free(engine)
+    assert engine.runner.steps[0].num_tokens == 23  # both prompts prefilled in the first step
+
+
+@pytest.mark.parametrize("cut", [3, 6], ids=["mid-output", "on-the-last-token"])
+def test_a_stop_string_finishes_through_the_scheduler(engine, cut):
+    """A stop string completed by the token that also reaches max_tokens is a stop too."""
+    tok = engine.tokenizer
+    # a prompt whose fake continuation is six plain, distinct words of the vocabulary
+    start = next(
+        t
+        for t in range(300, engine.runner.args.vocab_size - 8)
+        if all(tok.decode([t + i]).strip().isalpha() for i in range(1, 7))
+        and len({tok.decode([t + i]).strip() for i in range(1, 7)}) == 6
+    )
+    prompt = {"prompt_token_ids": [start - 1, start]}
+    engine.add_request("plain", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+    tokens = _run(engine)["plain"].outputs[0].token_ids
+    stop = engine.tokenizer.decode(tokens[cut - 1 : cut])
+    before = engine.tokenizer.decode(tokens[: cut - 1])
+    assert stop.strip() and stop not in before  # the cut token is the first to complete it
+    engine.add_request("stopped", prompt, SamplingParams(max_tokens=6, ignore_eos=True, stop=[stop]))
+    out = _run(engine)["stopped"].outputs[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.token_ids == tokens[:cut]
+    assert out.text == before
+    assert _all_pages_free(engine)
+
+
+def test_best_of_reports_the_n_samples_of_highest_cumulative_logprob_at_the_end(engine):
+    params = SamplingParams(n=2, best_of=3, max_tokens=4, ignore_eos=True, seed=10, logprobs=0)
+    engine.add_request("r", {"prompt_token_ids": [3, 4, 5]}, params)
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += engine.step()
+    assert [o.finished for o in seen] == [True]  # nothing before the best are known
+    outs = seen[0].outputs
+    # children seeded 10, 11, 12: per-token logprobs -0.1, -0.2, -0.3
+    assert [o.cumulative_logprob for o in outs] == pytest.approx([-0.4, -0.8])
+    assert [o.index for o in outs] == [0, 1]
+    assert _all_pages_free(engine)
+
+
+def test_a_failed_step_fails_only_its_requests(engine):
+    for i in range(6):  # four run at once (max_num_seqs), two wait
+        engine.add_request(
+            f"r{i}", {"prompt_token_ids": [10 + i, 11]}, SamplingParams(max_tokens=3, ignore_eos=True)
+        )
+    engine.runner.fail_next = 1
+    failed = engine.step()
+    assert sorted(o.request_id for o in failed) == ["r0", "r1", "r2", "r3"]
+    assert all(o.finished and o.error and o.outputs[0].finish_reason == "error" for o in failed)
+    final = _run(engine)
+    assert sorted(final) == ["r4", "r5"]
+    assert all(
+        o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 3 for o in final.values()
+    )
+    assert _all_pages_free(engine)
+
+
+def test_an_abort_frees_the_request_and_is_counted_with_the_next_step(engine):
+    engine.add_request("kept", {"prompt_token_ids": [7, 8]}, SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.add_request(
+        "dropped", {"prompt_token_ids": [9, 10]}, SamplingParams(max_tokens=50, ignore_eos=True)
+    )
+    engine.step()
+    engine.abort_request("dropped")
+    engine.step()
+    assert [f.finish_reason for f in engine.iteration_stats.finished] == ["abort"]
+    assert "dropped" not in _run(engine)
+    assert _all_pages_free(engine)
+
+
+def test_bad_requests_are_refused_before_anything_is_queued(engine):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("x", {"prompt_token_ids": [1, 2]}, SamplingParams(logit_bias={10**6: 1.0}))
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("y", {"prompt_token_ids": [1] * 10_000}, SamplingParams())
+    assert not engine.has_unfinished_requests() and engine.runner.steps == []
