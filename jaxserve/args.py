@@ -518,8 +518,6 @@ class EngineArgs:
                 kv_cache_memory_bytes=parse_human_int(self.kv_cache_memory_bytes, "kv_cache_memory_bytes"),
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefix_caching_hash_algo=self.prefix_caching_hash_algo,
-                swap_space=self.swap_space,
-                kv_cache_dtype=self.kv_cache_dtype,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=batched,
@@ -537,7 +535,6 @@ class EngineArgs:
             ),
             compilation_config=CompilationConfig(
                 enforce_eager=self.enforce_eager,
-                max_seq_len_to_capture=self.max_seq_len_to_capture,
                 token_buckets=tuple(comp["token_buckets"]) if "token_buckets" in comp else None,
                 seq_buckets=tuple(comp["seq_buckets"]) if "seq_buckets" in comp else None,
                 cache_dir=comp.get("cache_dir"),

@@ -32,7 +32,6 @@ class ModelConfig:
     hf_config: MappingProxyType  # the model's config.json (or its GGUF equivalent), read-only
     served_model_name: tuple[str, ...] = ()
     tokenizer_revision: str | None = None
-    revision: str | None = None
     trust_remote_code: bool = False
     generation_config: str = "auto"
     override_generation_config: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
@@ -56,8 +55,6 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
-    swap_space: float = 4.0
-    kv_cache_dtype: str = "auto"
     # Bytes of KV pool per device, instead of what gpu_memory_utilization leaves (vLLM's
     # kv_cache_memory_bytes); None on the CPU = CPU_KV_CACHE_BYTES.
     kv_cache_memory_bytes: int | None = None
@@ -84,7 +81,6 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
     # MoE layers split whole experts over the "model" axis instead of slicing every expert
     enable_expert_parallel: bool = False
 
@@ -92,7 +88,6 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class CompilationConfig:
     enforce_eager: bool = False
-    max_seq_len_to_capture: int = 8192
     # Explicit bucket lists (None: derived from the scheduler limits in runner/bucketing.py).
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None

@@ -176,7 +176,6 @@ def model_config_from_args(args) -> ModelConfig:
         hf_config=MappingProxyType(hf_config),
         served_model_name=tuple(names),
         tokenizer_revision=args.tokenizer_revision,
-        revision=args.revision,
         trust_remote_code=args.trust_remote_code,
         generation_config=args.generation_config,
         override_generation_config=MappingProxyType(
