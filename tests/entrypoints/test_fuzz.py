@@ -26,7 +26,8 @@ from schemathesis.checks import (
 )
 
 from jaxserve.engine.async_engine import AsyncLLMEngine
-from jaxserve.entrypoints.openai.api_server import build_app, openapi_document
+from jaxserve.entrypoints.openai.api_server import build_app
+from jaxserve.entrypoints.openai.openapi import openapi_document
 from jaxserve.entrypoints.openai.server_args import ServerArgs
 
 pytestmark = pytest.mark.fuzz

@@ -73,8 +73,8 @@ async def test_cors_defaults_allow_any_origin(server, session):
 
 async def test_tls_with_a_self_signed_certificate(make_server, tmp_path, session):
     trustme = pytest.importorskip("trustme")
-    from jaxserve.entrypoints.openai.api_server import ssl_context
     from jaxserve.entrypoints.openai.server_args import ServerArgs
+    from jaxserve.entrypoints.openai.tls import ssl_context
 
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1", "localhost")

@@ -14,12 +14,9 @@ import asyncio
 import json
 import logging
 import logging.config
-import os
-import ssl
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from http import HTTPStatus
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -28,8 +25,8 @@ from jaxserve import __version__
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineRequestError
 from jaxserve.entrypoints.openai import cli_args
 from jaxserve.entrypoints.openai.json_body import read_json_object
+from jaxserve.entrypoints.openai.openapi import openapi_document
 from jaxserve.entrypoints.openai.protocol import (
-    ERROR_RESPONSE_SCHEMA,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -43,6 +40,7 @@ from jaxserve.entrypoints.openai.server_args import ServerArgs
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxserve.entrypoints.openai.serving_engine import ModelNotFound
+from jaxserve.entrypoints.openai.tls import ssl_context, ssl_refresher
 from jaxserve.metrics import EngineMetrics, StatsLogger
 
 logger = logging.getLogger("jaxserve.entrypoints.openai.api_server")
@@ -267,72 +265,6 @@ class _Routes:
         return web.json_response(openapi_document(self.args.root_path))
 
 
-def openapi_document(root_path: str | None = None) -> dict:
-    """The OpenAPI description of the endpoints, request schemas from the pydantic models."""
-    schemas: dict = {}
-
-    def body(model: type[BaseModel]) -> dict:
-        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        schemas.update(schema.pop("$defs", {}))
-        schemas[model.__name__] = schema
-        ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-        return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
-
-    def answers(*content_types: str, errors: tuple[str, ...] = ()) -> dict:
-        """200 with these content types, and the OpenAI-style error body for `errors` (a client
-        mistake is always a 4xx with it; a 5xx would be a server bug)."""
-        error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
-        responses = {"200": {"description": "Successful Response"}}
-        if content_types:
-            responses["200"]["content"] = {t: {} for t in content_types}
-        for status in errors:
-            responses[status] = {"description": HTTPStatus(int(status)).phrase, **error}
-        return {"responses": responses}
-
-    client_errors = ("400", "404", "413", "415")
-    generation = answers("application/json", "text/event-stream", errors=client_errors)
-    paths = {
-        "/health": {"get": {"summary": "Health", **answers(errors=("503",))}},
-        "/ping": {
-            "get": {"summary": "Ping", **answers(errors=("503",))},
-            "post": {"summary": "Ping", **answers(errors=("503",))},
-        },
-        "/version": {"get": {"summary": "Version", **answers("application/json")}},
-        "/metrics": {"get": {"summary": "Prometheus metrics", **answers("text/plain")}},
-        "/v1/models": {"get": {"summary": "List models", **answers("application/json")}},
-        "/v1/completions": {
-            "post": {"summary": "Create completion", **body(CompletionRequest), **generation}
-        },
-        "/v1/chat/completions": {
-            "post": {"summary": "Create chat completion", **body(ChatCompletionRequest), **generation}
-        },
-        "/tokenize": {
-            "post": {
-                "summary": "Tokenize",
-                **body(TokenizeCompletionRequest),
-                **answers("application/json", errors=client_errors),
-            }
-        },
-        "/detokenize": {
-            "post": {
-                "summary": "Detokenize",
-                **body(DetokenizeRequest),
-                **answers("application/json", errors=client_errors),
-            }
-        },
-    }
-    schemas["ErrorResponse"] = ERROR_RESPONSE_SCHEMA
-    doc = {
-        "openapi": "3.1.0",
-        "info": {"title": "jaxserve OpenAI-compatible API", "version": __version__},
-        "paths": paths,
-        "components": {"schemas": schemas},
-    }
-    if root_path:
-        doc["servers"] = [{"url": root_path}]
-    return doc
-
-
 def build_app(
     engine: AsyncLLMEngine, args: ServerArgs, max_body_bytes: int = MAX_BODY_BYTES
 ) -> web.Application:
@@ -391,48 +323,6 @@ def _periodic_stats(stats_logger: StatsLogger):
 # ---- running ------------------------------------------------------------------------------
 
 
-def ssl_context(args: ServerArgs) -> ssl.SSLContext | None:
-    if not args.ssl_certfile:
-        return None
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
-    if args.ssl_ca_certs:
-        ctx.load_verify_locations(args.ssl_ca_certs)
-    ctx.verify_mode = ssl.VerifyMode(args.ssl_cert_reqs)
-    return ctx
-
-
-def _ssl_refresher(ctx: ssl.SSLContext, args: ServerArgs, interval: float = 5.0):
-    """--enable-ssl-refresh: load the key and certificates again when their files change;
-    connections made after that use them."""
-    paths = [p for p in (args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs) if p]
-
-    def stamp() -> tuple:
-        return tuple(os.stat(p).st_mtime_ns if os.path.exists(p) else 0 for p in paths)
-
-    async def refresh(app: web.Application):
-        async def loop():
-            seen = stamp()
-            while True:
-                await asyncio.sleep(interval)
-                current = stamp()
-                if current != seen:
-                    seen = current
-                    try:
-                        ctx.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
-                        if args.ssl_ca_certs:
-                            ctx.load_verify_locations(args.ssl_ca_certs)
-                        logger.info("Reloaded the TLS certificates")
-                    except (OSError, ssl.SSLError) as e:
-                        logger.error("Could not reload the TLS certificates: %s", e)
-
-        task = asyncio.create_task(loop())
-        yield
-        task.cancel()
-
-    return refresh
-
-
 def configure_logging(args: ServerArgs) -> None:
     if args.log_config_file:
         with open(args.log_config_file, encoding="utf-8") as fh:
@@ -477,7 +367,7 @@ def run_server(engine_args, server_args: ServerArgs) -> int:
     engine = AsyncLLMEngine.from_engine_args(engine_args)
     app = build_app(engine, server_args)
     if ssl_ctx is not None and server_args.enable_ssl_refresh:
-        app.cleanup_ctx.append(_ssl_refresher(ssl_ctx, server_args))
+        app.cleanup_ctx.append(ssl_refresher(ssl_ctx, server_args))
     host = server_args.host or None
     scheme = "https" if ssl_ctx else "http"
     logger.info("Serving %s on %s://%s:%d", engine.config.model_config.served_model_name[0], scheme,
