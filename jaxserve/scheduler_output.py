@@ -9,8 +9,12 @@ frozen data: neither side holds a reference into the other's state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
+
+# The arrays of a TopLogprobs: jax.Array inside the step, np.ndarray on the host.
+ArrayT = TypeVar("ArrayT")
 
 # Most token ids one row can have masked; requests needing more are refused up front.
 MAX_BANNED_TOKENS = 16
@@ -82,14 +86,24 @@ class SchedulerOutput:
         return not self.seqs
 
 
-@dataclass(frozen=True)
-class TopLogprobs:
-    """Host copy of ranked logprobs: per row, the top-k candidates and one chosen token."""
+class TopLogprobs(NamedTuple, Generic[ArrayT]):
+    """Ranked logprobs: per row, the top-k candidates and one chosen token (the sampled one, or
+    the prompt token whose logprob was asked for).
 
-    ids: np.ndarray  # [rows, k] int32, most likely first
-    logprobs: np.ndarray  # [rows, k] float32
-    chosen_logprobs: np.ndarray  # [rows] float32
-    chosen_ranks: np.ndarray  # [rows] int32, 1 = the most likely
+    One type on both sides of the contract: the sampler builds it from jax arrays inside the
+    step, and the same value, copied to the host, holds numpy arrays. A NamedTuple is a pytree
+    to JAX without registering it, so this module (imported by the host side, which never
+    imports jax) stays free of jax."""
+
+    ids: ArrayT  # [rows, k] int32, most likely first
+    logprobs: ArrayT  # [rows, k] float32
+    chosen_logprobs: ArrayT  # [rows] float32
+    chosen_ranks: ArrayT  # [rows] int32, 1 + how many tokens are strictly more likely than the chosen one
+
+    def take(self, rows) -> TopLogprobs[ArrayT]:
+        """The same fields at `rows` (an index, a slice or an index array): the host picks out
+        the rows of sampled requests, and of each request's prompt tokens."""
+        return TopLogprobs(*(x[rows] for x in self))
 
 
 @dataclass(frozen=True)
@@ -97,6 +111,6 @@ class ModelRunnerOutput:
     req_ids: tuple[str, ...]  # requests that sampled a token this step, in SchedulerOutput order
     sampled_token_ids: np.ndarray  # [num_sampled] int32
     logprobs: np.ndarray  # [num_sampled] float32, log-probability of each sampled token
-    top_logprobs: TopLogprobs | None = None  # rows as req_ids, when some row asked for logprobs
+    top_logprobs: TopLogprobs[np.ndarray] | None = None  # rows as req_ids, when some row asked for logprobs
     # request id -> the ranked logprobs of the prompt_logprob_targets fed this step
-    prompt_logprobs: dict[str, TopLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, TopLogprobs[np.ndarray]] = field(default_factory=dict)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -16,6 +17,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # reads and writes, and a cache shared between runs would hide compile-time regressions.
 # Subprocess tests that start the server or the CLI still use one (tiny_models.TEST_XLA_CACHE).
 jax.config.update("jax_enable_compilation_cache", False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def step_cache():
+    """One StepCache for every engine the tests build, so the same tiny model on the same shapes
+    is compiled once per run rather than once per LLM(...): LLM builds its engine's runner with
+    llm_engine.build_runner, and here that hands this cache in. A test that wants runners with
+    caches of their own patches build_runner again (see tests/runner/test_executable_cache.py)."""
+    from jaxserve.engine import llm_engine
+    from jaxserve.runner.step_cache import StepCache
+
+    cache = StepCache()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            llm_engine, "build_runner", functools.partial(llm_engine.build_runner, step_cache=cache)
+        )
+        yield cache
 
 
 @pytest.fixture(scope="session", params=sorted(LLAMA_VARIANTS))

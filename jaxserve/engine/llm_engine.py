@@ -40,13 +40,15 @@ class EngineDeadError(RuntimeError):
     """The engine cannot run another step (its device state is lost)."""
 
 
-def build_runner(config: EngineConfig, devices=None):
+def build_runner(config: EngineConfig, devices=None, step_cache=None):
     """The device side: a ModelRunner over a mesh of `devices` (default: the first
-    tensor_parallel_size)."""
+    tensor_parallel_size), keeping its compiled steps in `step_cache` (a runner.StepCache to
+    share with other runners of the same model and shapes; None: its own)."""
     from jaxserve.runner.model_runner import ModelRunner
     from jaxserve.sharding import make_mesh
 
-    return ModelRunner(config, make_mesh(config.parallel_config.tensor_parallel_size, devices=devices))
+    mesh = make_mesh(config.parallel_config.tensor_parallel_size, devices=devices)
+    return ModelRunner(config, mesh, step_cache=step_cache)
 
 
 class LLMEngine:

@@ -3,16 +3,16 @@ runs ragged paged attention with the backend chosen for the platform.
 
 Every backend has the reference's signature (pallas_kernels/ragged_paged_attention/): the
 pure-jnp reference (CPU), the Pallas TPU kernel and the Pallas GPU kernel, the last two also
-in Pallas' interpret mode for checking them on any machine. The runner traces its step
-inside `use_backend(...)`; models never name a backend.
+in Pallas' interpret mode for checking them on any machine. Which one runs is a static field
+of the AttentionMetadata the runner builds (its `backend`): part of the pytree's structure, so
+a step traced for one backend is never reused for another, and models never name a backend,
+they pass the metadata through.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +22,6 @@ from pallas_kernels.ragged_paged_attention import reference
 from pallas_kernels.ragged_paged_attention.reference import write_kv
 
 _KERNEL_PLATFORMS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}
-
-_backend: contextvars.ContextVar[str] = contextvars.ContextVar("attention_backend", default="reference")
 
 
 def resolve_attention_backend(requested: str, platform: str) -> str:
@@ -72,18 +70,10 @@ def pool_head_dim(backend: str, head_dim: int) -> int:
     return -(-head_dim // LANES) * LANES
 
 
-@contextlib.contextmanager
-def use_backend(name: str):
-    """Trace paged_attention with backend `name` (a resolve_attention_backend result)."""
-    token = _backend.set(name)
-    try:
-        yield
-    finally:
-        _backend.reset(token)
-
-
 @functools.cache
 def _kernel(name: str):
+    """The attention function of backend `name`; a kernel's module is imported only when a
+    backend names it."""
     if name == "reference":
         return reference.ragged_paged_attention
     platform, _, mode = name.partition("-")
@@ -102,6 +92,9 @@ class AttentionMetadata:
     page_indices: jax.Array  # [max_num_seqs, pages_per_seq] int32, pages within one layer
     cu_q_lens: jax.Array  # [max_num_seqs + 1] int32
     num_seqs: jax.Array  # [1] int32
+    # The kernel to trace (a resolve_attention_backend result). Static, so part of the pytree's
+    # structure: jit traces again for another backend instead of reusing the first trace.
+    backend: str = field(metadata=dict(static=True))
 
 
 def paged_attention(
@@ -124,7 +117,7 @@ def paged_attention(
         pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, kv_pool.shape[-1] - head_dim)))  # noqa: E731
         q, k, v = pad(q), pad(k), pad(v)
     kv_pool = write_kv(kv_pool, k, v, meta.slot_mapping + page_offset * page_size)
-    out = _kernel(_backend.get())(
+    out = _kernel(meta.backend)(
         q,
         kv_pool,
         meta.kv_lens,

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxserve.scheduler_output import TopLogprobs
+
 _BLOCK = 256  # vocabulary block of the two-level categorical draw
 
 
@@ -108,21 +110,13 @@ def count_sampled(state: ProcessorState, slot: jax.Array, tokens: jax.Array) -> 
     return ProcessorState(state.prompt_mask, counts, state.bias)
 
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class TopLogprobs:
-    ids: jax.Array  # [num_rows, k] int32, most likely first
-    logprobs: jax.Array  # [num_rows, k] float32
-    rank: jax.Array  # [num_rows] int32, 1 + how many tokens are strictly more likely than the chosen one
-
-
-def top_logprobs(logprobs: jax.Array, chosen: jax.Array, k: int) -> TopLogprobs:
-    """The k most likely tokens of each row of `logprobs` [num_rows, vocab], and the rank
-    of the `chosen` [num_rows] token."""
+def top_logprobs(logprobs: jax.Array, chosen: jax.Array, k: int) -> TopLogprobs[jax.Array]:
+    """The k most likely tokens of each row of `logprobs` [num_rows, vocab], and the logprob
+    and rank of the `chosen` [num_rows] token."""
     values, ids = jax.lax.top_k(logprobs, k)
-    chosen_lp = jnp.take_along_axis(logprobs, chosen[:, None], axis=-1)
+    chosen_lp = jnp.take_along_axis(logprobs, chosen[:, None], axis=-1)  # [num_rows, 1]
     rank = 1 + jnp.sum(logprobs > chosen_lp, axis=-1)
-    return TopLogprobs(ids.astype(jnp.int32), values, rank.astype(jnp.int32))
+    return TopLogprobs(ids.astype(jnp.int32), values, chosen_lp[:, 0], rank.astype(jnp.int32))
 
 
 def _sortable(x: jax.Array) -> jax.Array:
@@ -202,7 +196,7 @@ def sample(
     params: SamplingArrays,
     state: ProcessorState | None = None,  # given: bias rows and penalties apply
     num_top_logprobs: int = 0,  # > 0: also the top-k raw logprobs and the chosen token's rank
-) -> tuple[jax.Array, jax.Array, TopLogprobs | None]:
+) -> tuple[jax.Array, jax.Array, TopLogprobs[jax.Array] | None]:
     """Returns ([num_seqs] int32 tokens, [num_seqs] float32 raw logprobs of them, top-k)."""
     logits = logits.astype(jnp.float32)
     raw_logits = logits

@@ -38,6 +38,7 @@ def prepare(
     page_size: int,
     pages_per_seq: int,
     pad_slot: int,  # a slot index past the KV pool: writes there are dropped
+    attention_backend: str = "reference",  # the kernel the step traces (AttentionMetadata.backend)
 ) -> BatchInputs:
     seqs = sched.seqs
     n = len(seqs)
@@ -107,6 +108,7 @@ def prepare(
             page_indices=page_indices,
             cu_q_lens=cu,
             num_seqs=np.array([n], np.int32),
+            backend=attention_backend,
         ),
         logits_indices=logits_indices,
         sampling=SamplingArrays(

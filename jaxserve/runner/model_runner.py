@@ -6,10 +6,9 @@ shape bucket, with the KV pool donated so it is updated in place. `execute` turn
 SchedulerOutput into one host->device transfer, one compiled call and one device->host
 copy of the results.
 
-The step comes in variants, each compiled the first time a batch needs it and never per
-request: with the logit-processing state (penalties, bias rows), with top-k logprobs, and
-with logits at every fed token (prompt_logprobs). The plain variant is what precompile
-builds; a batch that needs none of the extras never pays for them.
+The step program itself is runner/step.py, and its variants (StepVariant) are compiled the
+first time a batch needs them. Compiled steps are kept in a StepCache (runner/step_cache.py):
+the runner's own unless one is handed in to share with other runners.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import atexit
 import collections
 import concurrent.futures
 import functools
-import itertools
 import logging
 import os
 import threading
@@ -28,19 +26,20 @@ import weakref
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig, jaxserve_cache_dir
-from jaxserve.layers.attention import pool_head_dim, use_backend
-from jaxserve.layers.sampler import ProcessorState, count_sampled, sample, top_logprobs
+from jaxserve.layers.attention import pool_head_dim
+from jaxserve.layers.sampler import ProcessorState
 from jaxserve.loader.model_loader import build_model_args, load_model
 from jaxserve.runner import batch as batch_lib
 from jaxserve.runner.bucketing import Buckets
 from jaxserve.runner.executable_cache import ExecutableCache
 from jaxserve.runner.kv_cache import KVCacheSpec, abstract_kv_pool, allocate_kv_pool, num_blocks_for
-from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput, SlotInit, TopLogprobs
+from jaxserve.runner.step import StepResult, StepVariant, step
+from jaxserve.runner.step_cache import StepCache
+from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput, SlotInit
 from jaxserve.sharding import make_mesh
 
 logger = logging.getLogger(__name__)
@@ -62,12 +61,6 @@ def enable_compilation_cache(cache_dir: str | None, mesh: jax.sharding.Mesh) -> 
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return None
 
-
-# Compiled steps shared by every runner of this process: a second engine on the same model
-# and shapes (several LLM objects in a notebook, a test suite) compiles nothing. Oldest out.
-_SHARED_STEPS: collections.OrderedDict = collections.OrderedDict()
-_MAX_SHARED_STEPS = 256
-_SHARED_STEPS_LOCK = threading.Lock()  # start-up compiles in a background thread too
 
 # Runners whose start-up compile thread may still run. At exit each finishes the bucket it is on
 # and stops: a daemon thread killed inside XLA's compiler aborts the process, and waiting for every
@@ -99,8 +92,17 @@ def bytes_per_device(tree) -> dict:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, mesh: jax.sharding.Mesh | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        mesh: jax.sharding.Mesh | None = None,
+        step_cache: StepCache | None = None,
+    ):
+        """step_cache: compiled steps to share with the other runners given the same one (a
+        second engine on the same model and shapes then compiles nothing); None: a new one of
+        this runner's own."""
         self.config = config
+        self.step_cache = step_cache if step_cache is not None else StepCache()
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         self.mesh = mesh or make_mesh(config.parallel_config.tensor_parallel_size)
         self.executables = enable_compilation_cache(config.compilation_config.cache_dir, self.mesh)
@@ -116,12 +118,13 @@ class ModelRunner:
             self.mesh.size,
         )
 
+        self.attention_backend = config.compilation_config.attention_backend
         self.page_size = cc.block_size
         self.pages_per_seq = -(-sc.max_model_len // self.page_size)
         self.kv_spec = KVCacheSpec(
             num_layers=self.args.num_layers,
             num_kv_heads=self.args.num_kv_heads,
-            head_dim=pool_head_dim(config.compilation_config.attention_backend, self.args.head_dim),
+            head_dim=pool_head_dim(self.attention_backend, self.args.head_dim),
             page_size=self.page_size,
             dtype=jnp.dtype(mc.dtype),
         )
@@ -142,11 +145,17 @@ class ModelRunner:
         self.num_top_logprobs = self.args.vocab_size if mc.max_logprobs < 0 else max(mc.max_logprobs, 1)
         self.processor_state: ProcessorState | None = None  # allocated when a request first needs it
         self._jitted = {
-            variant: jax.jit(functools.partial(self._step, variant=variant), donate_argnums=(1, 2))
-            for variant in itertools.product((False, True), repeat=3)
+            variant: jax.jit(
+                functools.partial(
+                    step, graphdef=self.graphdef, variant=variant, num_top_logprobs=self.num_top_logprobs
+                ),
+                donate_argnums=(1, 2),
+            )
+            for variant in StepVariant.all()
         }
         self._init_slot = jax.jit(_init_slot, donate_argnums=0)
-        self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        # this runner's steps by (bucket, variant): found without building a StepCache key
+        self._compiled: dict[tuple[tuple[int, int], StepVariant], jax.stages.Compiled] = {}
         self._abstract_state = _abstract(self.state)
         self._abstract_pool = abstract_kv_pool(self.kv_spec, self.num_blocks, self.mesh)
         # The buckets a step may use: all of them when compiled on demand (enforce_eager), else
@@ -170,60 +179,37 @@ class ModelRunner:
                 self.precompile()
             self.kv_pool = allocating.result()
 
-    def _step(self, state, kv_pool, processors, inputs: batch_lib.BatchInputs, *, variant):
-        """variant = (with the processor state, with top logprobs, with logits at every fed
-        token). Returns (kv_pool, processor state, results for the host)."""
-        _, with_top, all_logits = variant
-        model = nnx.merge(self.graphdef, state)
-        rows = jnp.arange(inputs.input_ids.shape[0], dtype=jnp.int32) if all_logits else inputs.logits_indices
-        logits, kv_pool = model(inputs.input_ids, inputs.positions, kv_pool, inputs.meta, rows)
-        sample_logits = logits[inputs.logits_indices] if all_logits else logits
-        k = self.num_top_logprobs if with_top or all_logits else 0
-        tokens, logprobs, top = sample(sample_logits, inputs.sampling, processors, k if with_top else 0)
-        out = {"tokens": tokens, "logprobs": logprobs}
-        if top is not None:
-            out["top"] = top
-        if all_logits:
-            targets = jnp.maximum(inputs.prompt_targets, 0)
-            lps = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-            out["prompt_top"] = top_logprobs(lps, targets, k)
-            out["prompt_chosen"] = jnp.take_along_axis(lps, targets[:, None], axis=-1)[:, 0]
-        if processors is not None:
-            processors = count_sampled(processors, inputs.sampling.slot, tokens)
-        return kv_pool, processors, out
-
     def _dummy_inputs(self, num_tokens: int, num_seqs: int) -> batch_lib.BatchInputs:
         return batch_lib.prepare(
-            SchedulerOutput(seqs=()), num_tokens, num_seqs, self.page_size, self.pages_per_seq, self.pad_slot
+            SchedulerOutput(seqs=()),
+            num_tokens,
+            num_seqs,
+            self.page_size,
+            self.pages_per_seq,
+            self.pad_slot,
+            self.attention_backend,
         )
 
-    def _compile(self, bucket: tuple[int, int], variant=(False, False, False)) -> jax.stages.Compiled:
+    def _compile(self, bucket: tuple[int, int], variant: StepVariant = StepVariant()) -> jax.stages.Compiled:
         compiled = self._compiled.get((bucket, variant))
         if compiled is None:
             inputs = _abstract(self._dummy_inputs(*bucket), self._replicated)
-            processors = _abstract(self._processor_state()) if variant[0] else None
-            backend = self.config.compilation_config.attention_backend
+            processors = _abstract(self._processor_state()) if variant.with_processor_state else None
             args = (self._abstract_state, self._abstract_pool, processors, inputs)
             # The step is a function of the graph, the variant, the top-k width and the
-            # attention backend; the arrays' shapes, dtypes and shardings settle the rest.
-            key = (self.graphdef, variant, self.num_top_logprobs, backend, jax.tree.structure(args),
+            # attention backend (also in the inputs' tree structure, as a static field); the
+            # arrays' shapes, dtypes and shardings settle the rest.
+            key = (self.graphdef, variant, self.num_top_logprobs, self.attention_backend, jax.tree.structure(args),
                    tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(args)))  # fmt: skip
-            compiled = _SHARED_STEPS.get(key)
-            if compiled is None:
-                compiled = self._load_or_compile(key, args)
-                with _SHARED_STEPS_LOCK:
-                    _SHARED_STEPS[key] = compiled
-                    while len(_SHARED_STEPS) > _MAX_SHARED_STEPS:
-                        _SHARED_STEPS.popitem(last=False)
+            compiled = self.step_cache.get_or_build(key, lambda: self._load_or_compile(key, variant, args))
             self._compiled[(bucket, variant)] = compiled
         return compiled
 
-    def _load_or_compile(self, key: tuple, args: tuple) -> jax.stages.Compiled:
+    def _load_or_compile(self, key: tuple, variant: StepVariant, args: tuple) -> jax.stages.Compiled:
         """The step from the executable store when an earlier start compiled it, else traced,
         lowered and compiled now (and stored)."""
-        _, variant, _, backend, *_ = key
         if self.executables is None:
-            return self._trace_and_compile(variant, backend, args)
+            return self._trace_and_compile(variant, args)
         devices = list(self.mesh.devices.flat)
         # the graph is the model class applied to its arguments; the rest of the key as text
         stored_as = (
@@ -232,13 +218,13 @@ class ModelRunner:
         )  # fmt: skip
         compiled = self.executables.load(stored_as, devices)
         if compiled is None:
-            compiled = self._trace_and_compile(variant, backend, args)
+            compiled = self._trace_and_compile(variant, args)
             self.executables.store(stored_as, compiled)
         return compiled
 
-    def _trace_and_compile(self, variant, backend: str, args: tuple) -> jax.stages.Compiled:
-        # layers that split work by hand (MoE experts) read the mesh; attention its backend
-        with jax.set_mesh(self.mesh), use_backend(backend):
+    def _trace_and_compile(self, variant: StepVariant, args: tuple) -> jax.stages.Compiled:
+        # layers that split work by hand (MoE experts) read the mesh
+        with jax.set_mesh(self.mesh):
             return self._jitted[variant].lower(*args).compile()
 
     def _processor_state(self) -> ProcessorState:
@@ -353,47 +339,47 @@ class ModelRunner:
         if self.channel is not None:
             self.channel.publish("execute", sched)
         bucket = self.ready_buckets.pick(sched.num_tokens, len(sched.seqs))
-        inputs = batch_lib.prepare(sched, *bucket, self.page_size, self.pages_per_seq, self.pad_slot)
+        inputs = batch_lib.prepare(
+            sched, *bucket, self.page_size, self.pages_per_seq, self.pad_slot, self.attention_backend
+        )
         for s in sched.seqs:
             if s.slot_init is not None:
                 self._fill_slot(s.slot_init)
-        sampling = [s.sampling for s in sched.seqs if s.sampling is not None]
-        variant = (
-            any(r.slot >= 0 for r in sampling),
-            any(r.logprobs is not None for r in sampling),
-            any(s.prompt_logprob_targets for s in sched.seqs),
-        )
-        step = self._compile(bucket, variant)
-        processors = self.processor_state if variant[0] else None
-        self.kv_pool, processors, out = step(
+        variant = StepVariant.for_batch(sched)
+        compiled = self._compile(bucket, variant)
+        processors = self.processor_state if variant.with_processor_state else None
+        self.kv_pool, processors, result = compiled(
             self.state, self.kv_pool, processors, jax.device_put(inputs, self._replicated)
         )
-        if variant[0]:
+        if variant.with_processor_state:
             self.processor_state = processors
         # the one device->host copy (several processes: from this process's own replica)
         if self.mesh.is_multi_process:
-            out = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), out)
+            result = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), result)
         else:
-            out = jax.device_get(out)
+            result = jax.device_get(result)
+        return self._runner_output(sched, inputs, result)
+
+    @staticmethod
+    def _runner_output(
+        sched: SchedulerOutput, inputs: batch_lib.BatchInputs, result: StepResult
+    ) -> ModelRunnerOutput:
+        """The host copy's rows that mean something: the sampled rows of the scheduled sequences
+        (not the padding), and each prompt's rows of prompt logprobs."""
         rows = [i for i, s in enumerate(sched.seqs) if s.sampling is not None]
-        top = None
-        if "top" in out:
-            t = out["top"]
-            top = TopLogprobs(t.ids[rows], t.logprobs[rows], out["logprobs"][rows], t.rank[rows])
         prompt = {}
-        if "prompt_top" in out:
-            t, cu = out["prompt_top"], inputs.meta.cu_q_lens
+        if result.prompt is not None:
+            cu = inputs.meta.cu_q_lens
             for i, s in enumerate(sched.seqs):
                 if s.prompt_logprob_targets:
-                    r = slice(cu[i], cu[i] + len(s.prompt_logprob_targets))
-                    prompt[s.request_id] = TopLogprobs(
-                        t.ids[r], t.logprobs[r], out["prompt_chosen"][r], t.rank[r]
+                    prompt[s.request_id] = result.prompt.take(
+                        slice(cu[i], cu[i] + len(s.prompt_logprob_targets))
                     )
         return ModelRunnerOutput(
             req_ids=tuple(sched.seqs[i].request_id for i in rows),
-            sampled_token_ids=out["tokens"][rows],
-            logprobs=out["logprobs"][rows],
-            top_logprobs=top,
+            sampled_token_ids=result.tokens[rows],
+            logprobs=result.logprobs[rows],
+            top_logprobs=None if result.top is None else result.top.take(rows),
             prompt_logprobs=prompt,
         )
 

@@ -43,7 +43,9 @@ def pause_background(monkeypatch):
     return pause
 
 
-def test_steps_fit_the_ready_buckets_until_the_rest_compile(tiny_llama_gqa, prompts, pause_background):
+def test_steps_fit_the_ready_buckets_until_the_rest_compile(
+    tiny_llama_gqa, prompts, pause_background, step_cache
+):
     kwargs = engine_kwargs(enforce_eager=False, max_num_batched_tokens=BUDGET, max_num_seqs=4)
     kwargs["compilation_config"] = {"cache_dir": ""}
     reference = LLM(tiny_llama_gqa[0], **kwargs)  # waits for every bucket
@@ -51,8 +53,11 @@ def test_steps_fit_the_ready_buckets_until_the_rest_compile(tiny_llama_gqa, prom
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
     release = pause_background()
+    built = step_cache.misses
     engine = LLMEngine(reference.llm_engine.config)
     runner = engine.runner
+    # the engines share the tests' StepCache (conftest.py): the second one's start-up built nothing
+    assert runner.step_cache is step_cache and step_cache.misses == built
     first, rest = runner.buckets.startup_order()
     assert first == [1, FIRST_PREFILL_TOKENS] and runner.ready_token_budget == FIRST_PREFILL_TOKENS
     assert runner.num_compiled == len(first)

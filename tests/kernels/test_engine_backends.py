@@ -4,7 +4,7 @@ chunks and decodes; and the whole step lowered for TPU and GPU targets with the 
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import re
 
 import jax
@@ -15,7 +15,7 @@ from tiny_models import engine_kwargs, make_family_checkpoint
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.args import EngineArgs
-from jaxserve.layers.attention import use_backend
+from jaxserve.runner.step import StepVariant
 
 
 @pytest.mark.slow
@@ -62,11 +62,12 @@ def test_step_lowers_for_tpu_and_gpu_with_the_kernels(tmp_path, monkeypatch):
         # step traced with the compiled kernel instead of the interpreted one.
         kw = engine_kwargs(block_size=16, dtype="bfloat16", attention_backend=f"pallas-{backend}-interpret")
         runner = LLM(str(tmp_path), **kw).llm_engine.runner
-        inputs = jax.device_put(runner._dummy_inputs(64, 8), runner._replicated)
-        step = jax.jit(functools.partial(runner._step, variant=(False, False, False)), donate_argnums=(1,))
-        with jax.set_mesh(runner.mesh), use_backend(backend):
+        inputs = runner._dummy_inputs(64, 8)
+        inputs = dataclasses.replace(inputs, meta=dataclasses.replace(inputs.meta, backend=backend))
+        step = runner._jitted[StepVariant()]  # the runner's own step, given the compiled kernel's name
+        with jax.set_mesh(runner.mesh):
             exported = jax.export.export(step, platforms=[platform], disabled_checks=[triton])(
-                runner.state, runner.kv_pool, None, inputs
+                runner.state, runner.kv_pool, None, jax.device_put(inputs, runner._replicated)
             )
         # One attention call in the step (the layers are a scan over stacked weights): one
         # Mosaic kernel on TPU, the decode and prefill launches on GPU; nothing else custom.

@@ -179,4 +179,8 @@ def test_top_logprobs_and_ranks_match_a_sort():
         np.asarray(top.logprobs), np.take_along_axis(np.asarray(lps), order[:, :5], -1)
     )
     ranks = [1 + int(np.where(order[i] == c)[0][0]) for i, c in enumerate(np.asarray(chosen))]
-    np.testing.assert_array_equal(np.asarray(top.rank), ranks)
+    np.testing.assert_array_equal(np.asarray(top.chosen_ranks), ranks)
+    np.testing.assert_array_equal(
+        np.asarray(top.chosen_logprobs),
+        np.take_along_axis(np.asarray(lps), np.asarray(chosen)[:, None], -1)[:, 0],
+    )

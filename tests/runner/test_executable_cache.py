@@ -28,8 +28,22 @@ def prompts():
     return [rng.integers(3, 500, size=n).tolist() for n in (3, 30)]
 
 
+@pytest.fixture(autouse=True)
+def own_step_caches(monkeypatch):
+    """Each engine's runner with a StepCache of its own, as in a new process: every step comes
+    from the store on disk or from a compile, never from an earlier engine's memory (the tests'
+    shared cache, conftest.py's step_cache, is set aside)."""
+    from jaxserve.engine import llm_engine
+    from jaxserve.sharding import make_mesh
+
+    def build_runner(config, devices=None):
+        mesh = make_mesh(config.parallel_config.tensor_parallel_size, devices=devices)
+        return model_runner.ModelRunner(config, mesh, step_cache=None)
+
+    monkeypatch.setattr(llm_engine, "build_runner", build_runner)
+
+
 def run(path: str, cache_dir: str, prompts, **overrides) -> list[list[int]]:
-    model_runner._SHARED_STEPS.clear()  # a new process would hold none
     kwargs = engine_kwargs(**overrides)
     kwargs["compilation_config"] = {**kwargs["compilation_config"], "cache_dir": cache_dir}
     llm = LLM(path, **kwargs)

@@ -1,0 +1,102 @@
+"""The device program of one step: the model's forward over a ragged token batch, logits at
+the rows that need them, and sampling, all inside one jit.
+
+ModelRunner compiles `step` once per shape bucket and variant. Everything the program depends
+on is an argument: the arrays, and, bound before jit, the model graph, the variant and the
+top-k width; the attention backend rides in the batch's AttentionMetadata as a static field.
+The only context a trace reads is JAX's own mesh (jax.set_mesh, for layers that split work by
+hand), which jit keys on too; so a compiled step is a function of what its cache key names.
+
+The step comes in variants (StepVariant), each compiled the first time a batch needs it and
+never per request. The plain variant is what start-up compiles; a batch that needs none of
+the extras never pays for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.layers.sampler import ProcessorState, count_sampled, sample, top_logprobs
+from jaxserve.runner.batch import BatchInputs
+from jaxserve.scheduler_output import SchedulerOutput, TopLogprobs
+
+
+@dataclass(frozen=True)
+class StepVariant:
+    """The optional work of a compiled step. Each extra costs every row of the batch (a
+    vocabulary-sized gather, a top-k, logits at every token), so a step does only what some
+    row of its batch asked for."""
+
+    # Bias rows, allowed tokens and penalties from the device ProcessorState, which the step
+    # takes, updates (counting the sampled tokens) and returns.
+    with_processor_state: bool = False
+    # The top-k logprobs and the rank of each sampled token (a request's `logprobs`).
+    with_top_logprobs: bool = False
+    # Logits at every fed token, ranked against each prompt token's successor (`prompt_logprobs`).
+    with_prompt_logprobs: bool = False
+
+    @classmethod
+    def all(cls) -> tuple[StepVariant, ...]:
+        """Every variant, the plain one first."""
+        flags = itertools.product((False, True), repeat=len(dataclasses.fields(cls)))
+        return tuple(cls(*f) for f in flags)
+
+    @classmethod
+    def for_batch(cls, sched: SchedulerOutput) -> StepVariant:
+        """The least a batch needs: an extra is on when some row of it asks for it."""
+        sampling = [s.sampling for s in sched.seqs if s.sampling is not None]
+        return cls(
+            with_processor_state=any(r.slot >= 0 for r in sampling),
+            with_top_logprobs=any(r.logprobs is not None for r in sampling),
+            with_prompt_logprobs=any(s.prompt_logprob_targets for s in sched.seqs),
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepResult:
+    """What a step hands back to the host, in one device->host copy. Device arrays when the
+    step returns, numpy arrays after the copy; padding rows are computed too and dropped there."""
+
+    tokens: jax.Array  # [num_seqs] int32, the token sampled for each sequence row
+    logprobs: jax.Array  # [num_seqs] float32, raw logprob of each sampled token
+    # [num_seqs] rows: the top-k and the sampled token's logprob and rank; with_top_logprobs only
+    top: TopLogprobs[jax.Array] | None
+    # [num_tokens] rows: at each fed token, the top-k and the logprob and rank of its successor
+    # in the prompt (BatchInputs.prompt_targets); with_prompt_logprobs only
+    prompt: TopLogprobs[jax.Array] | None
+
+
+def step(
+    state: nnx.State,
+    kv_pool: jax.Array,  # [num_layers * pages_per_layer, 2 * num_kv_heads, page_size, head_dim], donated
+    processors: ProcessorState | None,  # given exactly when variant.with_processor_state; donated
+    inputs: BatchInputs,
+    *,
+    graphdef: nnx.GraphDef,
+    variant: StepVariant,
+    num_top_logprobs: int,  # k of the top-k variants (the model's max_logprobs)
+) -> tuple[jax.Array, ProcessorState | None, StepResult]:
+    """One step: (kv_pool, processor state, results). The keyword arguments are static (bind
+    them before jit); the rest are traced."""
+    model = nnx.merge(graphdef, state)
+    all_rows = variant.with_prompt_logprobs
+    rows = jnp.arange(inputs.input_ids.shape[0], dtype=jnp.int32) if all_rows else inputs.logits_indices
+    logits, kv_pool = model(inputs.input_ids, inputs.positions, kv_pool, inputs.meta, rows)
+    sample_logits = logits[inputs.logits_indices] if all_rows else logits
+    k = num_top_logprobs if variant.with_top_logprobs else 0
+    tokens, logprobs, top = sample(sample_logits, inputs.sampling, processors, k)
+    prompt = None
+    if all_rows:
+        targets = jnp.maximum(inputs.prompt_targets, 0)
+        lps = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        prompt = top_logprobs(lps, targets, num_top_logprobs)
+    if processors is not None:
+        processors = count_sampled(processors, inputs.sampling.slot, tokens)
+    return kv_pool, processors, StepResult(tokens, logprobs, top, prompt)
