@@ -60,7 +60,9 @@ def prompt_logits(runner: ModelRunner, token_ids: list[int]) -> np.ndarray:
     padded = max(64, 1 << (n - 1).bit_length())
     pages = tuple(range(1, 1 + -(-n // runner.page_size)))
     sched = SchedulerOutput((ScheduledSeq("r", tuple(token_ids), 0, pages, GREEDY),))
-    inputs = batch_lib.prepare(sched, padded, 1, runner.page_size, runner.pages_per_seq, runner.pad_slot)
+    inputs = batch_lib.prepare(
+        sched, padded, 1, runner.page_size, runner.pages_per_seq, runner.pad_slot, runner.attention_backend
+    )
     indices = np.zeros(padded, np.int32)
     indices[:n] = np.arange(n)
     inputs = batch_lib.BatchInputs(

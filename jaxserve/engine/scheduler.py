@@ -287,7 +287,7 @@ class Scheduler:
             req.output_token_ids.append(token)
             req.cumulative_logprob += logprob
             if req.sampling_params.logprobs is not None:
-                req.output_logprobs.append(_ranked_row(top, row))
+                req.output_logprobs.append(top.take(row))
             if req.first_token_time is None:
                 req.first_token_time = now
             status = self._check_stop(req, token)
@@ -405,13 +405,9 @@ def _banned_token_ids(req: Request) -> tuple[int, ...]:
     return tuple(sorted(banned))
 
 
-def _ranked_row(top: TopLogprobs, row: int) -> TopLogprobs:
-    return TopLogprobs(top.ids[row], top.logprobs[row], top.chosen_logprobs[row], top.chosen_ranks[row])
-
-
 def _extend_prompt_logprobs(req: Request, start: int, ranked: TopLogprobs) -> None:
     """Row j of `ranked` is for prompt position start + j + 1; positions already known
     (a preempted request recomputes its prompt) are not added twice."""
     for j in range(len(ranked.chosen_ranks)):
         if start + j == len(req.prompt_logprobs):
-            req.prompt_logprobs.append(_ranked_row(ranked, j))
+            req.prompt_logprobs.append(ranked.take(j))

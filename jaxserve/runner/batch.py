@@ -38,7 +38,7 @@ def prepare(
     page_size: int,
     pages_per_seq: int,
     pad_slot: int,  # a slot index past the KV pool: writes there are dropped
-    attention_backend: str = "reference",  # the kernel the step traces (AttentionMetadata.backend)
+    attention_backend: str,  # the kernel the step traces (AttentionMetadata.backend)
 ) -> BatchInputs:
     seqs = sched.seqs
     n = len(seqs)

@@ -47,7 +47,7 @@ def _pad(values, size, fill):
 
 
 def test_tokens_positions_and_slots_back_to_back_then_padding():
-    inputs = prepare(STEP, 16, 4, PAGE, PAGES_PER_SEQ, PAD_SLOT)
+    inputs = prepare(STEP, 16, 4, PAGE, PAGES_PER_SEQ, PAD_SLOT, "reference")
     assert inputs.input_ids.tolist() == _pad([10, 11, 12, 13, 14, 20, 30, 31, 32], 16, 0)
     assert inputs.positions.tolist() == _pad([0, 1, 2, 3, 4, 6, 3, 4, 5], 16, 0)
     # slot = page * PAGE + position % PAGE, the page being the sequence's table entry
@@ -61,7 +61,7 @@ def test_tokens_positions_and_slots_back_to_back_then_padding():
 
 
 def test_per_sequence_arrays_padded_to_the_sequence_bucket():
-    inputs = prepare(STEP, 16, 4, PAGE, PAGES_PER_SEQ, PAD_SLOT)
+    inputs = prepare(STEP, 16, 4, PAGE, PAGES_PER_SEQ, PAD_SLOT, "reference")
     meta = inputs.meta
     assert meta.num_seqs.tolist() == [3]
     assert meta.cu_q_lens.tolist() == [0, 5, 6, 9, 9]  # a padding sequence has no rows
@@ -73,7 +73,7 @@ def test_per_sequence_arrays_padded_to_the_sequence_bucket():
 
 
 def test_sampling_rows_and_their_neutral_padding():
-    s = prepare(STEP, 16, 4, PAGE, PAGES_PER_SEQ, PAD_SLOT).sampling
+    s = prepare(STEP, 16, 4, PAGE, PAGES_PER_SEQ, PAD_SLOT, "reference").sampling
     # row 0 samples nothing and the padding row 3 neither: greedy, no filters, no penalties
     np.testing.assert_array_equal(s.temperature, np.float32([0, 0.7, 0, 0]))
     np.testing.assert_array_equal(s.top_k, [0, 5, 0, 0])
@@ -91,7 +91,7 @@ def test_sampling_rows_and_their_neutral_padding():
 
 
 def test_an_empty_step_is_all_padding():
-    inputs = prepare(SchedulerOutput(()), 8, 2, PAGE, PAGES_PER_SEQ, PAD_SLOT)
+    inputs = prepare(SchedulerOutput(()), 8, 2, PAGE, PAGES_PER_SEQ, PAD_SLOT, "reference")
     assert inputs.meta.num_seqs.tolist() == [0]
     assert inputs.meta.cu_q_lens.tolist() == [0, 0, 0]
     assert inputs.meta.slot_mapping.tolist() == [PAD_SLOT] * 8
@@ -101,4 +101,4 @@ def test_an_empty_step_is_all_padding():
 @pytest.mark.parametrize("bucket", [(8, 4), (16, 2)], ids=["too-many-tokens", "too-many-seqs"])
 def test_a_step_larger_than_its_bucket_is_refused(bucket):
     with pytest.raises(ValueError, match=r"step of 9 tokens / 3 seqs exceeds bucket"):
-        prepare(STEP, *bucket, PAGE, PAGES_PER_SEQ, PAD_SLOT)
+        prepare(STEP, *bucket, PAGE, PAGES_PER_SEQ, PAD_SLOT, "reference")
