@@ -21,9 +21,12 @@ from jaxserve.config import (
     EngineConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 from jaxserve.flags import ANY, G, arg, as_dict, check_flag_values, parse_human_int
 from jaxserve.model_resolution import DTYPES, model_config_from_args, platform
+from jaxserve.reasoning import get_reasoning_parser
+from jaxserve.structured_output.grammar import check_backend
 
 logger = logging.getLogger(__name__)
 
@@ -248,21 +251,27 @@ class EngineArgs:
     guided_decoding_backend: str = arg(
         G.DECODING,
         "auto",
-        "Engine for guided decoding (JSON schema, regex, choice, grammar).",
-        tier="B",
+        "Structured-outputs engine (JSON schema, regex, choice, grammar): guidance (llguidance); the "
+        "others need torch.",
         choices=("auto", "guidance", "lm-format-enforcer", "outlines", "xgrammar"),
     )
-    guided_decoding_disable_fallback: bool = arg(G.DECODING, False, "No fallback backend.", tier="B")
+    guided_decoding_disable_fallback: bool = arg(G.DECODING, False, "No fallback backend (there is one).")
     guided_decoding_disable_any_whitespace: bool = arg(
-        G.DECODING, False, "No free whitespace in guided JSON.", tier="B"
+        G.DECODING, False, "No free whitespace in guided JSON."
     )
     guided_decoding_disable_additional_properties: bool = arg(
-        G.DECODING, False, "No additionalProperties in guided JSON.", tier="B"
+        G.DECODING, False, "No additionalProperties in guided JSON."
     )
-    reasoning_parser: str = arg(G.DECODING, "", "Parser that splits reasoning from the answer.", tier="B")
-    enable_reasoning: bool | None = arg(
-        G.DECODING, None, "Deprecated: use --reasoning-parser.", tier="B", supported=(None, False)
+    structured_outputs_config: dict | str | None = arg(
+        G.DECODING,
+        help="JSON object: backend, disable_fallback, disable_any_whitespace, disable_additional_properties, "
+        "reasoning_parser (wins over the --guided-decoding-* flags).",
+        factory=dict,
     )
+    reasoning_parser: str = arg(
+        G.DECODING, "", "Parser that splits reasoning from the answer: deepseek_r1, qwen3."
+    )
+    enable_reasoning: bool | None = arg(G.DECODING, None, "Deprecated: --reasoning-parser alone turns it on.")
     # ---- ParallelConfig, continued
     data_parallel_size_local: int | None = arg(
         G.PARALLEL, None, "Data-parallel replicas on this host.", tier="B", short="-dpl"
@@ -430,12 +439,39 @@ class EngineArgs:
             raise ValueError("long_prefill_token_threshold must be >= 0.")
         self._check_rope()
         self._check_distributed()
+        self._structured_outputs_config()
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}.")
         if not getattr(self, "_warned", False):
             for line in warnings:
                 logger.warning(line)
             self._warned = True
+
+    def _structured_outputs_config(self) -> StructuredOutputsConfig:
+        """--structured-outputs-config over the older --guided-decoding-* flags and --reasoning-parser."""
+        given = as_dict(self.structured_outputs_config, "structured_outputs_config")
+        known = {f.name for f in dataclasses.fields(StructuredOutputsConfig)}
+        if set(given) - known:
+            raise ValueError(
+                f"structured_outputs_config keys {sorted(set(given) - known)} are not known; known: {sorted(known)}."
+            )
+        if self.enable_reasoning and not self.reasoning_parser:
+            raise ValueError("--enable-reasoning needs --reasoning-parser (which alone is enough).")
+        config = StructuredOutputsConfig(
+            backend=self.guided_decoding_backend,
+            disable_fallback=self.guided_decoding_disable_fallback,
+            disable_any_whitespace=self.guided_decoding_disable_any_whitespace,
+            disable_additional_properties=self.guided_decoding_disable_additional_properties,
+            reasoning_parser=self.reasoning_parser or "",
+        )
+        config = dataclasses.replace(config, **given)
+        check_backend(
+            config.backend,
+            "--structured-outputs-config backend" if "backend" in given else "--guided-decoding-backend",
+        )
+        if config.reasoning_parser:
+            get_reasoning_parser(config.reasoning_parser)
+        return config
 
     def _check_distributed(self) -> None:
         """The multi-process flags hang together."""
@@ -541,4 +577,5 @@ class EngineArgs:
                 min_token_bucket=1 if platform() == "cpu" else 16,
                 attention_backend=backend,
             ),
+            structured_outputs_config=self._structured_outputs_config(),
         )

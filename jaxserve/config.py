@@ -99,6 +99,23 @@ class CompilationConfig:
     attention_backend: str = "reference"
 
 
+# --structured-outputs-config backend values: llguidance is the one installed (the others need torch).
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """How requests' structured outputs are compiled (vLLM's --structured-outputs-config and the
+    older --guided-decoding-* flags)."""
+
+    backend: str = "auto"  # "auto" or "guidance" (llguidance)
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
+    disable_additional_properties: bool = False  # objects take only the properties the schema names
+    # A reasoning parser (jaxserve/reasoning/) name: the constraint applies after the reasoning ends.
+    reasoning_parser: str = ""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -106,3 +123,4 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     compilation_config: CompilationConfig
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)

@@ -9,9 +9,59 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 # Below this temperature a request is treated as greedy, as vLLM does.
 _GREEDY_EPS = 1e-5
+
+
+# The kinds of constraint a StructuredOutputsParams can carry; exactly one is set.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's structured outputs): a JSON schema
+    (`json`, a dict or its text), any JSON object (`json_object`), a regular expression, one of
+    several strings (`choice`), or a Lark/GBNF grammar. The engine compiles it to a grammar and
+    masks, at every step, the tokens that would leave it."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    # The older GuidedDecodingParams' per-request backend (None: the engine's).
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, regex, choice, grammar, json_object or "
+                f"structural_tag; got {', '.join(given) if given else 'none'}."
+            )
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured outputs choice must be a non-empty list of strings.")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> Any:
+        return getattr(self, self.kind)
+
+
+# vLLM's older name for the same thing (SamplingParams.guided_decoding).
+GuidedDecodingParams = StructuredOutputsParams
 
 
 @dataclass
@@ -40,8 +90,16 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: GuidedDecodingParams | None = None  # the older name of structured_outputs
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None and self.structured_outputs != self.guided_decoding:
+                raise ValueError("Give structured_outputs or guided_decoding, not both.")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:

@@ -36,6 +36,7 @@ class SamplingRow:
     repetition_penalty: float = 1.0
     slot: int = -1  # the request's logit-processing slot on the device, -1 = none
     logprobs: int | None = None  # the request's `logprobs`: top-k wanted (and the sampled token's rank)
+    constrained: bool = False  # structured outputs: the runner applies the row's grammar mask
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,9 @@ FLAGS = [
     ("--disable-fastapi-docs", "A", False, True, True),
     ("--api-server-count", "B", 1, "2", 2),
     ("--headless", "B", False, True, True),
-    ("--enable-auto-tool-choice", "B", False, True, True),
-    ("--tool-call-parser", "B", None, "hermes", "hermes"),
-    ("--tool-parser-plugin", "B", "", "plugin.py", "plugin.py"),
+    ("--enable-auto-tool-choice", "A", False, True, True),
+    ("--tool-call-parser", "A", None, "hermes", "hermes"),
+    ("--tool-parser-plugin", "A", "", "plugin.py", "plugin.py"),
     ("--lora-modules", "B", None, ["a=/adapters/a"], ["a=/adapters/a"]),
     ("--prompt-adapters", "C", None, ["p=/adapters/p"], ["p=/adapters/p"]),
     # ---- ModelConfig (model: jaxserve's default model stands in for vLLM's facebook/opt-125m)
@@ -156,12 +156,13 @@ FLAGS = [
     ("--long-lora-scaling-factors", "B", None, ["4.0", "8.0"], [4.0, 8.0]),
     # ---- SpeculativeConfig, DecodingConfig, ObservabilityConfig
     ("--speculative-config", "B", None, '{"method": "ngram"}', {"method": "ngram"}),
-    ("--guided-decoding-backend", "B", "auto", "xgrammar", "xgrammar"),
-    ("--guided-decoding-disable-fallback", "B", False, True, True),
-    ("--guided-decoding-disable-any-whitespace", "B", False, True, True),
-    ("--guided-decoding-disable-additional-properties", "B", False, True, True),
-    ("--reasoning-parser", "B", "", "deepseek_r1", "deepseek_r1"),
-    ("--enable-reasoning", "B", None, True, True),
+    ("--guided-decoding-backend", "A", "auto", "guidance", "guidance"),
+    ("--guided-decoding-disable-fallback", "A", False, True, True),
+    ("--guided-decoding-disable-any-whitespace", "A", False, True, True),
+    ("--guided-decoding-disable-additional-properties", "A", False, True, True),
+    ("--structured-outputs-config", "A", {}, '{"backend": "guidance"}', {"backend": "guidance"}),
+    ("--reasoning-parser", "A", "", "deepseek_r1", "deepseek_r1"),
+    ("--enable-reasoning", "A", None, True, True),
     ("--otlp-traces-endpoint", "B", None, "http://otel:4317", "http://otel:4317"),
     ("--collect-detailed-traces", "B", None, ["model"], ["model"]),
     ("--show-hidden-metrics-for-version", "B", None, "0.7", "0.7"),
@@ -220,6 +221,9 @@ ACCEPTED_B = {
 
 # Tier-A rows whose value needs files or devices to start: checked by dedicated tests.
 NEEDS_SETUP = {
+    "--enable-auto-tool-choice",  # needs --tool-call-parser
+    "--tool-parser-plugin",  # a file
+    "--enable-reasoning",  # needs --reasoning-parser
     "--ssl-keyfile",
     "--ssl-certfile",
     "--ssl-ca-certs",

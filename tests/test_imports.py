@@ -19,14 +19,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("jaxserve.cli", "jaxserve.benchmarks", "jaxserve.entrypoints"),
     ("jaxserve", "jaxserve.llm", "jaxserve.metrics"),  # the offline API and the package itself
     ("jaxserve.args", "jaxserve.model_resolution", "jaxserve.flags"),
-    ("jaxserve.engine",),
+    ("jaxserve.engine", "jaxserve.structured_output"),
     ("jaxserve.runner", "jaxserve.distributed"),
     ("jaxserve.loader",),
     ("jaxserve.models",),
     ("jaxserve.layers", "jaxserve.sharding"),
     ("pallas_kernels",),
     ("jaxserve.config", "jaxserve.sampling_params", "jaxserve.scheduler_output", "jaxserve.outputs",
-     "jaxserve.beam_search"),
+     "jaxserve.beam_search", "jaxserve.reasoning"),
 )  # fmt: skip
 
 

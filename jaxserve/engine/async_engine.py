@@ -40,7 +40,7 @@ from jaxserve.engine.parent_request import ParentRequest
 from jaxserve.engine.router import Router
 from jaxserve.engine.stats import IterationStats, SchedulerStats
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,8 @@ class AsyncLLMEngine:
         engines = [engine] if isinstance(engine, LLMEngine) else list(engine)
         self.replicas = [_Replica(i, e) for i, e in enumerate(engines)]
         self.engine = engines[0]  # config, tokenizer, request checks: the same in every replica
+        for e in engines[1:]:  # one grammar cache: a schema checked by the server compiles once
+            e.input_processor.grammars = e.grammars = self.engine.grammars
         self.stats_callbacks = list(stats_callbacks)
         self._streams: dict[str, _RequestStream] = {}
         self._routes: dict[str, int] = {}  # request id -> its replica
@@ -181,6 +183,11 @@ class AsyncLLMEngine:
     def check_prompt_token_ids(self, token_ids: Sequence[int]) -> None:
         """ValueError for ids outside the vocabulary (before a tokenizer is asked to decode them)."""
         self.engine.check_prompt_token_ids(token_ids)
+
+    def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """Compile a request's grammar (cached for when the request is made); ValueError naming
+        what is wrong with it. Blocking: a server calls it off its event loop."""
+        self.engine.grammars.compile(params)
 
     def close_workers(self) -> None:
         """Tell the other processes of a multi-process engine, if any, to stop with this one."""

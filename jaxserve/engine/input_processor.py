@@ -19,8 +19,10 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.parent_request import ParentRequest
 from jaxserve.engine.request import Request
+from jaxserve.reasoning import get_reasoning_parser
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler_output import MAX_BANNED_TOKENS, LogitsSpec
+from jaxserve.structured_output import GrammarCompiler
 
 PromptType = str | Sequence[int] | Mapping
 
@@ -33,6 +35,10 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.eos_token_id, self.extra_eos_ids = self._eos_ids(generation_config)
         self._seed_rng = np.random.default_rng(config.model_config.seed)
+        so = config.structured_outputs_config
+        reasoning = get_reasoning_parser(so.reasoning_parser)(tokenizer) if so.reasoning_parser else None
+        eos_ids = {self.eos_token_id, *self.extra_eos_ids} - {None}
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_ids, so, reasoning)
 
     def _eos_ids(self, generation_config: Mapping) -> tuple[int | None, set[int]]:
         """The tokenizer's eos, plus any other end-of-sequence ids the model or its
@@ -86,6 +92,12 @@ class InputProcessor:
                 "to generate."
             )
         self._check_logprobs(params)
+        # compiled here, before anything is queued: a bad schema fails the request, never a step
+        grammar = (
+            self.grammars.compile(params.structured_outputs)
+            if params.structured_outputs is not None
+            else None
+        )
         spec, bad_words = self._logits_spec(params)
         masked = len(bad_words) + (
             len(set(params.stop_token_ids) | self.extra_eos_ids) + 1 if params.min_tokens else 0
@@ -120,6 +132,10 @@ class InputProcessor:
                 max_tokens=max_tokens,
             )
             child.logits_spec, child.bad_words = spec, bad_words
+            if grammar is not None:
+                child.grammar = self.grammars.request_grammar(
+                    grammar if i == 0 else grammar.deep_copy(), token_ids
+                )
             child.wants_prompt_logprobs = params.prompt_logprobs is not None and i == 0  # once per request
             child.shares_prompt_with = parent.children[0] if i else None
             parent.children.append(child)

@@ -2,6 +2,9 @@
 
     schedule -> runner.execute -> scheduler.update -> detokenize (stop strings) -> outputs
 
+(runner.execute fills the structured-output rows' token masks, through structured_output, while
+the device runs the forward pass.)
+
 The InputProcessor checks and builds requests, the Scheduler owns them while they run, the
 runner owns everything on the device, and the OutputProcessor turns their tokens into outputs.
 A request with n > 1 runs as n child sequences that share the prompt (and, through the prefix
@@ -32,6 +35,7 @@ from jaxserve.loader.tokenizer import load_tokenizer
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler_output import SchedulerOutput
+from jaxserve.structured_output import bitmask_filler
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +75,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             config, self.tokenizer, self.runner.args.vocab_size, self.generation_config
         )
+        self.grammars = self.input_processor.grammars
         self.output_processor = OutputProcessor(self.tokenizer)
         self.iteration_stats = IterationStats()  # of the last step
         self._between_steps = IterationStats()  # aborts since the last step, counted with the next
@@ -160,7 +165,9 @@ class LLMEngine:
         if sched.is_empty:
             return []
         try:
-            runner_out = self.runner.execute(sched)
+            runner_out = self.runner.execute(
+                sched, bitmask_filler(self.grammars, sched, self.scheduler.requests)
+            )
         except Exception as e:
             return self._fail_step(sched, e)
         updated = self.scheduler.update(sched, runner_out)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 
 from jaxserve.engine.parent_request import ParentRequest
-from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.request import Request
 from jaxserve.engine.stats import FinishedRequestStats, IterationStats
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.scheduler_output import TopLogprobs
@@ -55,8 +55,7 @@ class OutputProcessor:
             det = entry[0].detokenizers[entry[1]] if entry else None
             if det is None:
                 continue
-            stopped = req.status == RequestStatus.FINISHED_STOPPED
-            stop = det.update(req.output_token_ids[-1:], stop_terminated=stopped)
+            stop = det.update(req.output_token_ids[-1:], stop_terminated=req.finished_on_stop_token)
             if stop is not None:
                 stops.append((req, stop))
         return stops

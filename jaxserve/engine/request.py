@@ -70,6 +70,8 @@ class Request:
         self.logits_spec: LogitsSpec | None = None
         self.slot = -1
         self.bad_words: tuple[tuple[int, ...], ...] = ()  # multi-token bad words, as token ids
+        # Structured outputs: the sequence's place in its grammar (structured_output.RequestGrammar)
+        self.grammar = None
         self.wants_prompt_logprobs = False
         self.shares_prompt_with: Request | None = None  # the first sample of the same prompt (n > 1)
         self.output_logprobs: list[TopLogprobs] = []  # one ranked row per output token
@@ -90,6 +92,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished_on_stop_token(self) -> bool:
+        """Stopped by its last token being eos or a stop token id (whose text is not output);
+        a request whose grammar completed stops on a token that is part of its text."""
+        if self.status != RequestStatus.FINISHED_STOPPED or not self.output_token_ids:
+            return False
+        last = self.output_token_ids[-1]
+        return last == self.eos_token_id or last in self.sampling_params.stop_token_ids
 
     @property
     def is_finished(self) -> bool:

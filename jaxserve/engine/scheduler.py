@@ -286,6 +286,8 @@ class Scheduler:
                 continue
             req.output_token_ids.append(token)
             req.cumulative_logprob += logprob
+            if req.grammar is not None:
+                req.grammar.accept(token)
             if req.sampling_params.logprobs is not None:
                 req.output_logprobs.append(top.take(row))
             if req.first_token_time is None:
@@ -307,6 +309,8 @@ class Scheduler:
             if token in params.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.terminated:  # nothing more fits its grammar
+            return RequestStatus.FINISHED_STOPPED
         if req.num_tokens >= self.config.max_model_len or req.num_output_tokens >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
@@ -384,6 +388,7 @@ def _sampling_row(req: Request) -> SamplingRow:
         repetition_penalty=p.repetition_penalty,
         slot=req.slot,
         logprobs=p.logprobs,
+        constrained=req.grammar is not None and req.grammar.active,
     )
 
 

@@ -191,6 +191,16 @@ def _categorical(logits: jax.Array, uniforms: jax.Array) -> jax.Array:
     return (block * _BLOCK + inner).astype(jnp.int32)
 
 
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf where a row's packed mask ([rows, ceil(vocab / 32)] int32, bit t % 32 of word t // 32)
+    has the token's bit clear: structured outputs' allowed tokens."""
+    vocab = logits.shape[-1]
+    ids = jnp.arange(vocab, dtype=jnp.int32)
+    words = jnp.take(bitmask, ids // 32, axis=1)
+    allowed = ((words >> (ids % 32)) & 1).astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def sample(
     logits: jax.Array,  # [num_seqs, vocab] float32
     params: SamplingArrays,

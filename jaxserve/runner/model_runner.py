@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,7 @@ from jaxserve.runner import batch as batch_lib
 from jaxserve.runner.bucketing import Buckets
 from jaxserve.runner.executable_cache import ExecutableCache
 from jaxserve.runner.kv_cache import KVCacheSpec, abstract_kv_pool, allocate_kv_pool, num_blocks_for
-from jaxserve.runner.step import StepResult, StepVariant, step
+from jaxserve.runner.step import StepResult, StepVariant, forward, sample_step, step
 from jaxserve.runner.step_cache import StepCache
 from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput, SlotInit
 from jaxserve.sharding import make_mesh
@@ -144,15 +145,26 @@ class ModelRunner:
         self.num_slots = sc.max_num_seqs  # one logit-processing slot per running request at most
         self.num_top_logprobs = self.args.vocab_size if mc.max_logprobs < 0 else max(mc.max_logprobs, 1)
         self.processor_state: ProcessorState | None = None  # allocated when a request first needs it
-        self._jitted = {
-            variant: jax.jit(
-                functools.partial(
-                    step, graphdef=self.graphdef, variant=variant, num_top_logprobs=self.num_top_logprobs
-                ),
-                donate_argnums=(1, 2),
-            )
-            for variant in StepVariant.all()
-        }
+        # The device programs by (part, variant): the fused step, or forward and sample_step for a
+        # step with a token mask (runner/step.py). Compiled on first use.
+        self._programs = {}
+        for variant in StepVariant.all():
+            if variant.with_token_bitmask:
+                self._programs["forward", variant] = jax.jit(
+                    functools.partial(forward, graphdef=self.graphdef, variant=variant), donate_argnums=(1,)
+                )
+                self._programs["sample", variant] = jax.jit(
+                    functools.partial(sample_step, variant=variant, num_top_logprobs=self.num_top_logprobs),
+                    donate_argnums=(1,),
+                )
+            else:
+                self._programs["step", variant] = jax.jit(
+                    functools.partial(
+                        step, graphdef=self.graphdef, variant=variant, num_top_logprobs=self.num_top_logprobs
+                    ),
+                    donate_argnums=(1, 2),
+                )
+        self._bitmasks: dict[int, np.ndarray] = {}  # host mask buffers by sequence bucket
         self._init_slot = jax.jit(_init_slot, donate_argnums=0)
         # this runner's steps by (bucket, variant): found without building a StepCache key
         self._compiled: dict[tuple[tuple[int, int], StepVariant], jax.stages.Compiled] = {}
@@ -190,42 +202,60 @@ class ModelRunner:
             self.attention_backend,
         )
 
-    def _compile(self, bucket: tuple[int, int], variant: StepVariant = StepVariant()) -> jax.stages.Compiled:
+    def _compile(self, bucket: tuple[int, int], variant: StepVariant = StepVariant()):
+        """The compiled step of a bucket and variant: one program, or (forward, sample_step) for a
+        variant with a token mask."""
         compiled = self._compiled.get((bucket, variant))
         if compiled is None:
             inputs = _abstract(self._dummy_inputs(*bucket), self._replicated)
             processors = _abstract(self._processor_state()) if variant.with_processor_state else None
-            args = (self._abstract_state, self._abstract_pool, processors, inputs)
-            # The step is a function of the graph, the variant, the top-k width and the
-            # attention backend (also in the inputs' tree structure, as a static field); the
-            # arrays' shapes, dtypes and shardings settle the rest.
-            key = (self.graphdef, variant, self.num_top_logprobs, self.attention_backend, jax.tree.structure(args),
-                   tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(args)))  # fmt: skip
-            compiled = self.step_cache.get_or_build(key, lambda: self._load_or_compile(key, variant, args))
+            if not variant.with_token_bitmask:
+                compiled = self._build(
+                    "step", variant, (self._abstract_state, self._abstract_pool, processors, inputs)
+                )
+            else:
+                fwd_args = (self._abstract_state, self._abstract_pool, inputs)
+                fwd = self._build("forward", variant, fwd_args)
+                with jax.set_mesh(self.mesh):
+                    logits = jax.eval_shape(self._programs["forward", variant], *fwd_args)[1]
+                logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=fwd.output_shardings[1])
+                words = (self.args.vocab_size + 31) // 32
+                bitmask = jax.ShapeDtypeStruct((bucket[1], words), jnp.int32, sharding=self._replicated)
+                compiled = (fwd, self._build("sample", variant, (logits, processors, inputs, bitmask)))
             self._compiled[(bucket, variant)] = compiled
         return compiled
 
-    def _load_or_compile(self, key: tuple, variant: StepVariant, args: tuple) -> jax.stages.Compiled:
-        """The step from the executable store when an earlier start compiled it, else traced,
+    def _build(self, part: str, variant: StepVariant, args: tuple) -> jax.stages.Compiled:
+        # A program is a function of the graph, the part and variant, the top-k width and the
+        # attention backend (also in the inputs' tree structure, as a static field); the arrays'
+        # shapes, dtypes and shardings settle the rest.
+        key = (self.graphdef, part, variant, self.num_top_logprobs, self.attention_backend, jax.tree.structure(args),
+               tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(args)))  # fmt: skip
+        return self.step_cache.get_or_build(key, lambda: self._load_or_compile(key, part, variant, args))
+
+    def _load_or_compile(
+        self, key: tuple, part: str, variant: StepVariant, args: tuple
+    ) -> jax.stages.Compiled:
+        """The program from the executable store when an earlier start compiled it, else traced,
         lowered and compiled now (and stored)."""
         if self.executables is None:
-            return self._trace_and_compile(variant, args)
+            return self._trace_and_compile(part, variant, args)
         devices = list(self.mesh.devices.flat)
         # the graph is the model class applied to its arguments; the rest of the key as text
         stored_as = (
-            self._model_name, repr(self.args), variant, *map(str, key[2:]),
+            self._model_name, repr(self.args), *map(str, key[1:]),
             tuple((d.id, d.device_kind) for d in devices),
         )  # fmt: skip
         compiled = self.executables.load(stored_as, devices)
         if compiled is None:
-            compiled = self._trace_and_compile(variant, args)
+            compiled = self._trace_and_compile(part, variant, args)
             self.executables.store(stored_as, compiled)
         return compiled
 
-    def _trace_and_compile(self, variant: StepVariant, args: tuple) -> jax.stages.Compiled:
+    def _trace_and_compile(self, part: str, variant: StepVariant, args: tuple) -> jax.stages.Compiled:
         # layers that split work by hand (MoE experts) read the mesh
         with jax.set_mesh(self.mesh):
-            return self._jitted[variant].lower(*args).compile()
+            return self._programs[part, variant].lower(*args).compile()
 
     def _processor_state(self) -> ProcessorState:
         if self.processor_state is None:
@@ -335,22 +365,44 @@ class ModelRunner:
     def num_compiled(self) -> int:
         return len(self._compiled)
 
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        if self.channel is not None:
-            self.channel.publish("execute", sched)
+    def execute(
+        self,
+        sched: SchedulerOutput,
+        fill_bitmask: Callable[[np.ndarray], None] | None = None,
+        bitmask: np.ndarray | None = None,
+    ) -> ModelRunnerOutput:
+        """Run one step. With constrained rows (structured outputs), `fill_bitmask` writes their
+        token masks into the all-allowed [seq bucket, ceil(vocab / 32)] int32 array it is given; it
+        is called while the device runs the forward pass. `bitmask`: the mask already filled (how
+        process 0 hands it to the others, which replay the call)."""
         bucket = self.ready_buckets.pick(sched.num_tokens, len(sched.seqs))
+        variant = StepVariant.for_batch(sched)
+        if variant.with_token_bitmask and bitmask is None:
+            bitmask = self._bitmask(bucket[1])
+            if self.channel is not None:  # the others need the mask with the call: no overlap here
+                fill_bitmask(bitmask)
+                fill_bitmask = None
+        if self.channel is not None:
+            self.channel.publish("execute", sched, None, bitmask)
         inputs = batch_lib.prepare(
             sched, *bucket, self.page_size, self.pages_per_seq, self.pad_slot, self.attention_backend
         )
         for s in sched.seqs:
             if s.slot_init is not None:
                 self._fill_slot(s.slot_init)
-        variant = StepVariant.for_batch(sched)
         compiled = self._compile(bucket, variant)
         processors = self.processor_state if variant.with_processor_state else None
-        self.kv_pool, processors, result = compiled(
-            self.state, self.kv_pool, processors, jax.device_put(inputs, self._replicated)
-        )
+        device_inputs = jax.device_put(inputs, self._replicated)
+        if variant.with_token_bitmask:
+            forward_program, sample_program = compiled
+            self.kv_pool, logits = forward_program(self.state, self.kv_pool, device_inputs)
+            if fill_bitmask is not None:
+                fill_bitmask(bitmask)  # the host's work while the device runs the forward pass
+            processors, result = sample_program(
+                logits, processors, device_inputs, jax.device_put(bitmask, self._replicated)
+            )
+        else:
+            self.kv_pool, processors, result = compiled(self.state, self.kv_pool, processors, device_inputs)
         if variant.with_processor_state:
             self.processor_state = processors
         # the one device->host copy (several processes: from this process's own replica)
@@ -359,6 +411,14 @@ class ModelRunner:
         else:
             result = jax.device_get(result)
         return self._runner_output(sched, inputs, result)
+
+    def _bitmask(self, num_seqs: int) -> np.ndarray:
+        """The host's mask buffer of a sequence bucket, reset to all-allowed."""
+        buf = self._bitmasks.get(num_seqs)
+        if buf is None:
+            buf = self._bitmasks[num_seqs] = np.empty((num_seqs, (self.args.vocab_size + 31) // 32), np.int32)
+        buf.fill(-1)
+        return buf
 
     @staticmethod
     def _runner_output(

@@ -10,6 +10,10 @@ hand), which jit keys on too; so a compiled step is a function of what its cache
 The step comes in variants (StepVariant), each compiled the first time a batch needs it and
 never per request. The plain variant is what start-up compiles; a batch that needs none of
 the extras never pays for them.
+
+A step with structured outputs runs as two programs, `forward` then `sample_step`, instead of the
+fused `step`: the host fills the grammar's token mask while the device runs the forward pass, and
+the mask is an argument of the second program only.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.layers.sampler import ProcessorState, count_sampled, sample, top_logprobs
+from jaxserve.layers.sampler import ProcessorState, apply_token_bitmask, count_sampled, sample, top_logprobs
 from jaxserve.runner.batch import BatchInputs
 from jaxserve.scheduler_output import SchedulerOutput, TopLogprobs
 
@@ -40,6 +44,8 @@ class StepVariant:
     with_top_logprobs: bool = False
     # Logits at every fed token, ranked against each prompt token's successor (`prompt_logprobs`).
     with_prompt_logprobs: bool = False
+    # A packed token mask per row (structured outputs); runs as forward + sample_step.
+    with_token_bitmask: bool = False
 
     @classmethod
     def all(cls) -> tuple[StepVariant, ...]:
@@ -55,6 +61,7 @@ class StepVariant:
             with_processor_state=any(r.slot >= 0 for r in sampling),
             with_top_logprobs=any(r.logprobs is not None for r in sampling),
             with_prompt_logprobs=any(s.prompt_logprob_targets for s in sched.seqs),
+            with_token_bitmask=any(r.constrained for r in sampling),
         )
 
 
@@ -73,23 +80,37 @@ class StepResult:
     prompt: TopLogprobs[jax.Array] | None
 
 
-def step(
+def forward(
     state: nnx.State,
     kv_pool: jax.Array,  # [num_layers * pages_per_layer, 2 * num_kv_heads, page_size, head_dim], donated
-    processors: ProcessorState | None,  # given exactly when variant.with_processor_state; donated
     inputs: BatchInputs,
     *,
     graphdef: nnx.GraphDef,
     variant: StepVariant,
-    num_top_logprobs: int,  # k of the top-k variants (the model's max_logprobs)
-) -> tuple[jax.Array, ProcessorState | None, StepResult]:
-    """One step: (kv_pool, processor state, results). The keyword arguments are static (bind
-    them before jit); the rest are traced."""
+) -> tuple[jax.Array, jax.Array]:
+    """The model over the batch: (kv_pool, logits), the logits at the sampled rows, or at every
+    fed token for the prompt-logprobs variant."""
     model = nnx.merge(graphdef, state)
     all_rows = variant.with_prompt_logprobs
     rows = jnp.arange(inputs.input_ids.shape[0], dtype=jnp.int32) if all_rows else inputs.logits_indices
     logits, kv_pool = model(inputs.input_ids, inputs.positions, kv_pool, inputs.meta, rows)
+    return kv_pool, logits
+
+
+def sample_step(
+    logits: jax.Array,  # forward's logits
+    processors: ProcessorState | None,  # given exactly when variant.with_processor_state; donated
+    inputs: BatchInputs,
+    bitmask: jax.Array | None,  # [num_seqs, ceil(vocab / 32)] int32, given exactly when with_token_bitmask
+    *,
+    variant: StepVariant,
+    num_top_logprobs: int,
+) -> tuple[ProcessorState | None, StepResult]:
+    """Sampling and the logprobs asked for, from forward's logits."""
+    all_rows = variant.with_prompt_logprobs
     sample_logits = logits[inputs.logits_indices] if all_rows else logits
+    if bitmask is not None:
+        sample_logits = apply_token_bitmask(sample_logits, bitmask)
     k = num_top_logprobs if variant.with_top_logprobs else 0
     tokens, logprobs, top = sample(sample_logits, inputs.sampling, processors, k)
     prompt = None
@@ -99,4 +120,23 @@ def step(
         prompt = top_logprobs(lps, targets, num_top_logprobs)
     if processors is not None:
         processors = count_sampled(processors, inputs.sampling.slot, tokens)
-    return kv_pool, processors, StepResult(tokens, logprobs, top, prompt)
+    return processors, StepResult(tokens, logprobs, top, prompt)
+
+
+def step(
+    state: nnx.State,
+    kv_pool: jax.Array,  # donated
+    processors: ProcessorState | None,  # given exactly when variant.with_processor_state; donated
+    inputs: BatchInputs,
+    *,
+    graphdef: nnx.GraphDef,
+    variant: StepVariant,
+    num_top_logprobs: int,  # k of the top-k variants (the model's max_logprobs)
+) -> tuple[jax.Array, ProcessorState | None, StepResult]:
+    """One step, fused: (kv_pool, processor state, results). The keyword arguments are static
+    (bind them before jit); the rest are traced."""
+    kv_pool, logits = forward(state, kv_pool, inputs, graphdef=graphdef, variant=variant)
+    processors, result = sample_step(
+        logits, processors, inputs, None, variant=variant, num_top_logprobs=num_top_logprobs
+    )
+    return kv_pool, processors, result

@@ -33,7 +33,7 @@ class FakeRunner:
         self.fail_next = 0  # steps to fail from now on
         self.steps: list[SchedulerOutput] = []
 
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput, fill_bitmask=None) -> ModelRunnerOutput:
         self.steps.append(sched)
         if self.fail_next:
             self.fail_next -= 1

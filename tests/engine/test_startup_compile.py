@@ -65,9 +65,9 @@ def test_steps_fit_the_ready_buckets_until_the_rest_compile(
     steps = []
     original_execute = runner.execute
 
-    def execute(sched):
+    def execute(sched, fill_bitmask=None):
         steps.append(sched.num_tokens)
-        return original_execute(sched)
+        return original_execute(sched, fill_bitmask)
 
     runner.execute = execute
     for i, prompt in enumerate(batch):

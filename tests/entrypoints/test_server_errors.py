@@ -85,7 +85,20 @@ BAD_BODIES = [
     ("v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}],
      "tool_choice": "auto"}, 400, ["tool"], None),
     ("v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-     "response_format": {"type": "json_object"}}, 400, ["json_object"], None),
+     "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}}, 400,
+     ["objec"], "response_format"),
+    ("v1/completions", {"prompt": "x", "guided_regex": "a(b"}, 400, ["unclosed group"], "guided_regex"),
+    ("v1/completions", {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, 400, ["guided_choice"],
+     "guided_choice"),
+    ("v1/completions", {"prompt": "x", "structured_outputs": {"choice": []}}, 400, ["choice"],
+     "structured_outputs"),
+    ("v1/completions", {"prompt": "x", "structured_outputs": {"json": {}, "regex": "a"}}, 400, ["exactly one"],
+     "structured_outputs"),
+    ("v1/completions", {"prompt": "x", "guided_json": "{not json"}, 400, ["not valid JSON"], "guided_json"),
+    ("v1/completions", {"prompt": "x", "guided_grammar": "start: (", "max_tokens": 1}, 400, ["grammar"],
+     "guided_grammar"),
+    ("v1/completions", {"prompt": "x", "guided_regex": "a", "guided_decoding_backend": "xgrammar"}, 400,
+     ["torch"], "guided_regex"),
     ("v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, ["image_url"], None),
     ("v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{% for %}"},
@@ -253,11 +266,11 @@ async def test_a_failed_step_fails_only_its_requests(server, http, llm_engine, r
     real_execute = runner.execute
     calls = {"n": 0}
 
-    def flaky(sched):
+    def flaky(sched, fill_bitmask=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected device failure")
-        return real_execute(sched)
+        return real_execute(sched, fill_bitmask)
 
     monkeypatch.setattr(runner, "execute", flaky)
     session, url = http
@@ -279,12 +292,12 @@ async def test_a_step_that_loses_the_kv_pool_rebuilds_it(server, http, llm_engin
     real_execute = runner.execute
     calls = {"n": 0}
 
-    def loses_pool(sched):
+    def loses_pool(sched, fill_bitmask=None):
         calls["n"] += 1
         if calls["n"] == 3:  # mid-stream: the donated pool is consumed, then the call fails
             runner.kv_pool.delete()
             raise RuntimeError("device lost the step")
-        return real_execute(sched)
+        return real_execute(sched, fill_bitmask)
 
     monkeypatch.setattr(runner, "execute", loses_pool)
     session, url = http
@@ -302,7 +315,7 @@ async def test_a_step_that_loses_the_kv_pool_rebuilds_it(server, http, llm_engin
 async def test_health_is_503_when_the_engine_cannot_go_on(server, http, llm_engine, monkeypatch):
     runner = llm_engine.runner
 
-    def broken(sched):
+    def broken(sched, fill_bitmask=None):
         runner.kv_pool.delete()
         raise RuntimeError("device gone")
 

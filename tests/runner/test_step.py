@@ -19,7 +19,7 @@ GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, ste
 
 def test_every_variant_once_the_plain_one_first():
     variants = StepVariant.all()
-    assert len(variants) == len(set(variants)) == 8
+    assert len(variants) == len(set(variants)) == 16
     assert variants[0] == StepVariant()
     assert (
         StepVariant(with_processor_state=True, with_top_logprobs=True, with_prompt_logprobs=True) in variants
@@ -38,6 +38,8 @@ def test_a_batch_needs_what_some_row_asks_for():
     assert StepVariant.for_batch(mixed) == StepVariant(with_processor_state=True, with_prompt_logprobs=True)
     logprobs = SchedulerOutput((seq(SamplingRow(0.0, 0, 1.0, 0.0, 0, 0, logprobs=0)),))
     assert StepVariant.for_batch(logprobs) == StepVariant(with_top_logprobs=True)
+    masked = SchedulerOutput((seq(GREEDY), seq(SamplingRow(0.0, 0, 1.0, 0.0, 0, 0, constrained=True))))
+    assert StepVariant.for_batch(masked) == StepVariant(with_token_bitmask=True)
 
 
 def test_one_jitted_step_traced_for_two_backends_runs_each_ones_kernel(tiny_llama_gqa):
@@ -55,7 +57,7 @@ def test_one_jitted_step_traced_for_two_backends_runs_each_ones_kernel(tiny_llam
             ScheduledSeq("b", (40, 41, 42), 0, (3,), GREEDY),
         )
     )
-    step = runner._jitted[StepVariant()]
+    step = runner._programs["step", StepVariant()]
 
     def inputs(backend: str) -> batch_lib.BatchInputs:
         prepared = batch_lib.prepare(

@@ -11,6 +11,7 @@ that fails on the messages is the client's mistake, so it comes back as a ValueE
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Any
@@ -57,12 +58,36 @@ def _text_parts(content: list[dict[str, Any]]) -> list[str]:
     return texts
 
 
+def _template_tool_calls(tool_calls: Any) -> Any:
+    """An assistant message's tool calls with each call's arguments as the object the templates
+    read (`arguments | tojson`, or a loop over them), where the client sent it as a JSON string."""
+    if not isinstance(tool_calls, list):
+        return tool_calls
+    calls = []
+    for call in tool_calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                call = {**call, "function": {**function, "arguments": parsed}}
+        calls.append(call)
+    return calls
+
+
 def _conversation(body: ChatCompletionRequest | TokenizeChatRequest, content_format: str) -> list[dict]:
     """The messages with their content in the shape the template reads: clients send either
-    a string or a list of text parts, and a template written for one breaks on the other."""
+    a string or a list of text parts, and a template written for one breaks on the other.
+    Tool calls' arguments come as JSON text and go to the template as objects; "tool" messages
+    (content and tool_call_id) pass as they are."""
     conversation = []
     for m in body.messages:
         message = m.model_dump(exclude_none=True)
+        if "tool_calls" in message:
+            message["tool_calls"] = _template_tool_calls(message["tool_calls"])
         if isinstance(m.content, list):
             texts = _text_parts(m.content)
             if content_format == "string":

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jaxserve.beam_search import BeamSearchParams
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 _INT64 = 2**63 - 1
 # OpenAI clamps each logit_bias value into this range.
@@ -123,6 +123,15 @@ class _SamplingRequest(OpenAIBaseModel):
     priority: int = 0
     request_id: str | None = None
     return_tokens_as_token_ids: bool | None = None
+    # structured outputs (entrypoints/openai/structured_outputs.py reads them)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     def _logprobs(self) -> int | None:
         raise NotImplementedError
@@ -145,9 +154,15 @@ class _SamplingRequest(OpenAIBaseModel):
             bias[token] = min(_LOGIT_BIAS_LIMIT, max(-_LOGIT_BIAS_LIMIT, value))
         return bias
 
-    def to_sampling_params(self, max_tokens: int, defaults: dict[str, Any]) -> SamplingParams:
+    def to_sampling_params(
+        self,
+        max_tokens: int,
+        defaults: dict[str, Any],
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         """SamplingParams for this request; `max_tokens` is already resolved by the caller
-        (it depends on the prompt length). Raises ValueError on out-of-range values."""
+        (it depends on the prompt length), and so is the constraint the request's
+        structured-output (or tool) fields make. Raises ValueError on out-of-range values."""
 
         def pick(name: str, fallback: Any) -> Any:
             value = getattr(self, name)
@@ -179,6 +194,7 @@ class _SamplingRequest(OpenAIBaseModel):
             logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            structured_outputs=structured_outputs,
         )
 
     def to_beam_search_params(self, max_tokens: int) -> BeamSearchParams | None:
@@ -267,9 +283,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = "none"
+    tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = None
     echo: bool = False
     add_generation_prompt: bool = True
@@ -292,15 +307,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def check_unsupported(self) -> None:
-        """Fields whose feature jaxserve does not have yet: refused, never ignored."""
-        if self.tools and self.tool_choice != "none":
-            raise ValueError("tool calling is not supported by jaxserve yet (tools need tool_choice='none').")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError(
-                f"response_format type {self.response_format.get('type')!r} is not supported by jaxserve yet; "
-                "only 'text'."
-            )
+    def check_messages(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
 

@@ -14,6 +14,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from jaxserve.entrypoints.openai.tool_parsers import get_tool_parser, import_tool_parser_plugin
 from jaxserve.flags import G, arg, check_flag_values, flag_name
 
 logger = logging.getLogger(__name__)
@@ -83,9 +84,13 @@ class ServerArgs:
     api_server_count: int = arg(_F, 1, "HTTP server processes.", tier="B")
     headless: bool = arg(_F, False, "Run the engine without an HTTP server.", tier="B")
     lora_modules: list[str] | None = arg(_F, None, "LoRA adapters to serve (name=path).", tier="B")
-    enable_auto_tool_choice: bool = arg(_F, False, "Let the model decide to call tools.", tier="B")
-    tool_call_parser: str | None = arg(_F, None, "Parser of the model's tool calls.", tier="B")
-    tool_parser_plugin: str = arg(_F, "", "Module that registers a tool parser.", tier="B")
+    enable_auto_tool_choice: bool = arg(
+        _F, False, 'Let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser.'
+    )
+    tool_call_parser: str | None = arg(
+        _F, None, "Parser of the model's tool calls: hermes, llama3_json, mistral, pythonic, or a plugin's."
+    )
+    tool_parser_plugin: str = arg(_F, "", "Python file that registers a tool parser (register_tool_parser).")
     prompt_adapters: list[str] | None = arg(_F, None, "Prompt adapters (name=path).", tier="C")
 
     @classmethod
@@ -119,6 +124,12 @@ def validate_server_args(args: ServerArgs) -> None:
         raise ValueError(f"--chat-template {template!r} is neither a readable file nor a Jinja template.")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}.")
+    if args.tool_parser_plugin:
+        import_tool_parser_plugin(args.tool_parser_plugin)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser.")
+    if args.tool_call_parser:
+        get_tool_parser(args.tool_call_parser)
     if not args.response_role:
         raise ValueError("--response-role must not be empty.")
     for line in warnings:

@@ -14,14 +14,24 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from jaxserve.entrypoints.openai.chat_reply import ChatReply
+from jaxserve.entrypoints.openai.chat_tools import reply_tool_parser, tool_choice_mode, tool_constraint
 from jaxserve.entrypoints.openai.logprobs import prompt_logprobs
-from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, now
+from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, bad_request, now
 from jaxserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt
 from jaxserve.entrypoints.openai.sse import sse_response
+from jaxserve.entrypoints.openai.structured_outputs import structured_outputs_field, structured_outputs_params
 from jaxserve.outputs import RequestOutput
+from jaxserve.reasoning import get_reasoning_parser
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine, args):
+        super().__init__(engine, args)
+        name = engine.config.structured_outputs_config.reasoning_parser
+        self.reasoning_parser = get_reasoning_parser(name)(self.tokenizer) if name else None
+        self.auto_tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+
     def role(self, body: ChatCompletionRequest) -> str:
         return self.args.response_role if body.add_generation_prompt else body.messages[-1].role
 
@@ -39,12 +49,23 @@ class OpenAIServingChat(OpenAIServing):
         model = self.model_name(body.model)
         body.check_stream_options()
         body.check_logprobs()
-        body.check_unsupported()
+        body.check_messages()
+        mode, function = tool_choice_mode(body, self.auto_tool_parser)
+        tools = reply_tool_parser(mode, function, self.auto_tool_parser, self.tokenizer)
+        field = "tool_choice" if mode in ("named", "required") else structured_outputs_field(body)
+        if mode in ("named", "required") and structured_outputs_field(body) is not None:
+            raise bad_request("tool_choice 'required' or a named function cannot be combined with another "
+                              "structured-output constraint.", "tool_choice")  # fmt: skip
+        constraint = tool_constraint(body, mode, function) or structured_outputs_params(body)
+        await self.check_structured_outputs(constraint, field)
         prompt = await self.prompt_for(body)
         prompt_tokens = len(prompt["prompt_token_ids"])
         params = body.to_sampling_params(
-            self.max_tokens(body.requested_max_tokens, prompt_tokens), self.sampling_defaults
+            self.max_tokens(body.requested_max_tokens, prompt_tokens), self.sampling_defaults, constraint
         )
+        if tools is not None and tools.keeps_special_tokens:  # its markers are special tokens
+            params.skip_special_tokens = False
+        reply = self._reply(body, prompt, tools, mode == "named")
         request_id = self.request_id(raw, body, "chatcmpl")
         self.log_request(request_id, prompt, params)
         beams = [body.to_beam_search_params(params.max_tokens)]
@@ -54,26 +75,39 @@ class OpenAIServingChat(OpenAIServing):
         echo = self._echo_text(body, role)
         if body.stream:
             head["object"] = "chat.completion.chunk"
-            return await sse_response(raw, self._chunks(body, head, role, echo, prompt_tokens, outputs))
+            return await sse_response(
+                raw, self._chunks(body, head, role, echo, prompt_tokens, outputs, reply)
+            )
         final: RequestOutput | None = None
         async with contextlib.aclosing(outputs) as gen:
             async for _, out in gen:
                 final = out
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": role, "content": echo + c.text, "tool_calls": []},
-                "logprobs": self._logprobs(body, c.token_ids, c.logprobs),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in final.outputs
-        ]
+        choices = []
+        for c in final.outputs:
+            fields, finish_reason = reply.message(c.text, c.finish_reason)
+            if echo:
+                fields["content"] = echo + (fields["content"] or "")
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": {"role": role, **fields},
+                    "logprobs": self._logprobs(body, c.token_ids, c.logprobs),
+                    "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         usage = self.usage(prompt_tokens, completion_tokens, final.num_cached_tokens)
         return web.json_response(
             {**head, "choices": choices, "usage": usage, "prompt_logprobs": prompt_logprobs(final)}
         )
+
+    def _reply(self, body: ChatCompletionRequest, prompt: Prompt, tools, forced_function: bool) -> ChatReply:
+        ended = False
+        if self.reasoning_parser is not None:
+            thinking_off = (body.chat_template_kwargs or {}).get("enable_thinking") is False
+            ended = thinking_off or self.reasoning_parser.is_reasoning_end(prompt["prompt_token_ids"])
+        return ChatReply(self.reasoning_parser, ended, tools, forced_function)
 
     def _logprobs(self, body: ChatCompletionRequest, token_ids, entries) -> dict | None:
         if not body.logprobs:
@@ -91,7 +125,7 @@ class OpenAIServingChat(OpenAIServing):
             return last.content
         return "".join(p.get("text", "") for p in last.content)
 
-    async def _chunks(self, body, head, role, echo, prompt_tokens, outputs) -> AsyncIterator[dict]:
+    async def _chunks(self, body, head, role, echo, prompt_tokens, outputs, reply) -> AsyncIterator[dict]:
         def chunk(index: int, delta: dict, finish_reason=None, stop_reason=None, logprobs=None) -> dict:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             if finish_reason is not None:
@@ -102,7 +136,7 @@ class OpenAIServingChat(OpenAIServing):
             yield chunk(i, {"role": role, "content": ""})
             if echo:
                 yield chunk(i, {"content": echo})
-        sent = [0] * body.n
+        streams = [reply.stream() for _ in range(body.n)]
         tokens = [0] * body.n
         done: set[int] = set()
         cached = 0
@@ -113,15 +147,15 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     if c.finish_reason is not None:
                         done.add(c.index)
-                    delta = c.text[sent[c.index] :]
-                    sent[c.index] = len(c.text)
+                    stream = streams[c.index]
+                    delta = stream.update(c.text, c.finish_reason is not None)
                     start, tokens[c.index] = tokens[c.index], len(c.token_ids)
                     new_tokens = body.logprobs and start < len(c.token_ids)
                     if not delta and not new_tokens and c.finish_reason is None:
                         continue
                     logprobs = self._logprobs(body, c.token_ids[start:], (c.logprobs or [])[start:])
-                    content = {"content": delta} if delta else {}
-                    item = chunk(c.index, content, c.finish_reason, c.stop_reason, logprobs)
+                    finish_reason = reply.finish_reason(c.finish_reason, stream.called)
+                    item = chunk(c.index, delta, finish_reason, c.stop_reason, logprobs)
                     if body.continuous_usage:
                         item["usage"] = self.usage(prompt_tokens, sum(tokens), cached)
                     yield item

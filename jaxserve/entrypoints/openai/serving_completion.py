@@ -17,6 +17,7 @@ from jaxserve.entrypoints.openai.logprobs import prompt_logprobs
 from jaxserve.entrypoints.openai.protocol import CompletionRequest, now
 from jaxserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt
 from jaxserve.entrypoints.openai.sse import sse_response
+from jaxserve.entrypoints.openai.structured_outputs import structured_outputs_field, structured_outputs_params
 from jaxserve.outputs import CompletionOutput, RequestOutput
 
 
@@ -33,9 +34,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompts.append(self.tokenize(p, body.add_special_tokens, body.truncate_prompt_tokens))
             else:
                 prompts.append(self.token_prompt(p, body.truncate_prompt_tokens))
+        constraint = structured_outputs_params(body)
+        await self.check_structured_outputs(constraint, structured_outputs_field(body))
         params = [
             body.to_sampling_params(
-                self.max_tokens(body.max_tokens, len(p["prompt_token_ids"])), self.sampling_defaults
+                self.max_tokens(body.max_tokens, len(p["prompt_token_ids"])),
+                self.sampling_defaults,
+                constraint,
             )
             for p in prompts
         ]

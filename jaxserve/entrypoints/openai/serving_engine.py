@@ -11,6 +11,7 @@ queues directly.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -25,12 +26,13 @@ from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     TokenizeChatRequest,
     _SamplingRequest,
+    bad_request,
     random_id,
 )
 from jaxserve.entrypoints.openai.server_args import ServerArgs
 from jaxserve.entrypoints.openai.stream_merge import merge_streams
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("jaxserve.entrypoints.openai")
 
@@ -84,6 +86,18 @@ class OpenAIServing:
                 "completion). Please reduce the length of the messages or completion."
             )
         return requested
+
+    async def check_structured_outputs(
+        self, params: StructuredOutputsParams | None, field: str | None
+    ) -> None:
+        """Compile the request's grammar off the event loop (and off the engine's thread, which
+        keeps stepping); a bad schema, regex or grammar is a 400 naming `field`."""
+        if params is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.check_structured_outputs, params)
+        except ValueError as e:
+            raise bad_request(f"{field}: {e}" if field else str(e), field) from None
 
     # ---- prompts -------------------------------------------------------------------------
 
