@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jaxserve.outputs import Logprob
+from jaxserve.sampling_params import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    # Every beam held to this constraint: each step's mask allows only the tokens its grammar does.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
@@ -83,6 +86,7 @@ class BeamSearch:
                 (beam.cum_logprob + lp.logprob, -b, -rank, beam, token, entry)
                 for b, (beam, entry) in enumerate(zip(self.running, next_logprobs, strict=True))
                 for rank, (token, lp) in enumerate(sorted(entry.items(), key=lambda kv: -kv[1].logprob))
+                if lp.logprob > float("-inf")  # a token a constraint masked is no candidate
             ),
             key=lambda c: c[:3],
             reverse=True,
@@ -132,7 +136,17 @@ def step_params(params: BeamSearchParams):
         ignore_eos=True,
         logprobs=2 * params.beam_width,
         detokenize=False,
+        structured_outputs=params.structured_outputs,
     )
+
+
+def step_prompt(search: BeamSearch, beam: BeamSearchSequence) -> dict:
+    """A beam's one-token request: its tokens are the prompt; under a constraint, those after the
+    search's prompt are output the grammar has already accepted (`structured_output_start`)."""
+    prompt = {"prompt_token_ids": beam.tokens}
+    if search.params.structured_outputs is not None:
+        prompt["structured_output_start"] = search.prompt_len
+    return prompt
 
 
 def finish(search: BeamSearch, tokenizer) -> BeamSearchOutput:

@@ -90,8 +90,8 @@ class LLM:
         step = beam.step_params(params)
         bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
         while live := [s for s in searches if not s.done]:
-            beams = [b.tokens for s in live for b in s.running]
-            outs = iter(self.generate([{"prompt_token_ids": t} for t in beams], step, use_tqdm=False))
+            beams = [beam.step_prompt(s, b) for s in live for b in s.running]
+            outs = iter(self.generate(beams, step, use_tqdm=False))
             for s in live:
                 s.advance([next(outs).outputs[0].logprobs[0] for _ in s.running])
             bar.update(1)

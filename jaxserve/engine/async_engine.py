@@ -32,6 +32,7 @@ from jaxserve.beam_search import (
     finish,
     start_search,
     step_params,
+    step_prompt,
 )
 from jaxserve.config import EngineConfig
 from jaxserve.engine.input_processor import PromptType
@@ -261,7 +262,7 @@ class AsyncLLMEngine:
             if search.done:
                 break
             rounds = [
-                last(self.generate({"prompt_token_ids": beam.tokens}, step, f"{request_id}-{round_}-{i}"))
+                last(self.generate(step_prompt(search, beam), step, f"{request_id}-{round_}-{i}"))
                 for i, beam in enumerate(search.running)
             ]
             outputs = await asyncio.gather(*rounds)

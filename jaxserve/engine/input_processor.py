@@ -82,6 +82,8 @@ class InputProcessor:
         if priority != 0 and self.config.scheduler_config.policy != "priority":
             raise ValueError("priority is only honoured with scheduling_policy='priority'.")
         text, token_ids = self.tokenize_prompt(prompt)
+        # a beam search step: the prompt's tokens from here on are output its grammar accepted
+        start = prompt.get("structured_output_start") if isinstance(prompt, Mapping) else None
         max_len = self.config.model_config.max_model_len
         if not token_ids:
             raise ValueError("The prompt is empty.")
@@ -133,9 +135,11 @@ class InputProcessor:
             )
             child.logits_spec, child.bad_words = spec, bad_words
             if grammar is not None:
-                child.grammar = self.grammars.request_grammar(
-                    grammar if i == 0 else grammar.deep_copy(), token_ids
+                matcher = grammar if i == 0 else grammar.deep_copy()
+                prompt_ids, accepted = (
+                    (token_ids, ()) if start is None else (token_ids[:start], token_ids[start:])
                 )
+                child.grammar = self.grammars.request_grammar(matcher, prompt_ids, accepted)
             child.wants_prompt_logprobs = params.prompt_logprobs is not None and i == 0  # once per request
             child.shares_prompt_with = parent.children[0] if i else None
             parent.children.append(child)

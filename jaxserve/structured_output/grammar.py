@@ -65,8 +65,8 @@ class RequestGrammar:
 
     @property
     def active(self) -> bool:
-        """Whether this step's token is constrained."""
-        return self.reasoning_ended and not self.matcher.is_stopped()
+        """Whether this step's token is constrained (a complete grammar allows only EOS)."""
+        return self.reasoning_ended
 
     @property
     def terminated(self) -> bool:
@@ -153,7 +153,10 @@ class GrammarCompiler:
             }
             if params.whitespace_pattern is not None:
                 options["whitespace_pattern"] = params.whitespace_pattern
-            return LLMatcher.grammar_from_json_schema(schema, defaults=options)
+            try:
+                return LLMatcher.grammar_from_json_schema(schema, defaults=options)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"the JSON schema cannot be compiled: {e}") from None
         if kind == "regex":
             return LLMatcher.grammar_from_regex(spec)
         if kind == "choice":
@@ -161,7 +164,7 @@ class GrammarCompiler:
         if kind == "grammar":
             try:
                 return LLMatcher.grammar_from_lark(any_to_lark(spec))
-            except ValueError as e:
+            except Exception as e:  # the converter raises bare Exceptions
                 raise ValueError(f"the grammar is neither Lark nor GBNF: {e}") from None
         raise ValueError(f"structured outputs {kind} is not supported by jaxserve.")
 
@@ -189,13 +192,24 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return prototype.deep_copy()
 
-    def request_grammar(self, matcher, prompt_token_ids: Sequence[int]) -> RequestGrammar:
+    def request_grammar(
+        self, matcher, prompt_token_ids: Sequence[int], accepted: Sequence[int] = ()
+    ) -> RequestGrammar:
         """A sequence's state in a matcher from compile(): with a reasoning parser, the grammar
-        waits for the reasoning to end unless the prompt already ended it."""
+        waits for the reasoning to end unless the prompt already ended it. `accepted`: output the
+        grammar has taken already (a beam's tokens so far); ValueError if it does not fit."""
         parser = self.reasoning_parser
         if parser is None:
-            return RequestGrammar(matcher)
-        return RequestGrammar(matcher, parser.end_token_id, parser.is_reasoning_end(prompt_token_ids))
+            state = RequestGrammar(matcher)
+        else:
+            state = RequestGrammar(matcher, parser.end_token_id, parser.is_reasoning_end(prompt_token_ids))
+        for token in accepted:
+            state.accept(token)
+        if matcher.is_error():
+            raise ValueError(
+                f"the tokens given as accepted output do not fit the grammar: {matcher.get_error()}"
+            )
+        return state
 
     def fill(self, rows: list[tuple[Any, int]], bitmask: np.ndarray) -> None:
         """Write each (matcher, row)'s allowed tokens into its row of `bitmask`, in parallel."""

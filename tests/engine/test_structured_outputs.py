@@ -258,3 +258,52 @@ def test_compiled_grammars_are_cached_and_bad_ones_refused(llm):
         S(json={}, regex="a")
     with pytest.raises(ValueError, match="not both"):
         SamplingParams(structured_outputs=S(regex="a"), guided_decoding=S(regex="b"))
+
+
+def test_beam_search_under_a_constraint(llm):
+    """Every beam is held to the grammar: each finished sequence is a full match, and the best
+    beam's score is its cumulative logprob over the masked distribution."""
+    from jaxserve.beam_search import BeamSearchParams
+
+    regex = r"(red|green|blue)-[0-9]{2}"
+    params = BeamSearchParams(beam_width=3, max_tokens=20, structured_outputs=S(regex=regex))
+    tok = llm.get_tokenizer()
+    [out] = llm.beam_search(["Colours:"], params)
+    prompt_len = len(tok.encode("Colours:"))
+    assert len(out.sequences) == 3
+    for seq in out.sequences:
+        generated = [t for t in seq.tokens[prompt_len:] if t != tok.eos_token_id]
+        assert seq.finish_reason == "stop" and re.fullmatch(regex, tok.decode(generated)), seq
+    assert len({tuple(s.tokens) for s in out.sequences}) == 3
+
+
+def test_constraint_starts_after_the_reasoning(tiny_llama_gqa, tmp_path):
+    """With --reasoning-parser, the tokens before </think> are free and the grammar holds the
+    answer after it: the answer matches, the thinking need not."""
+    import shutil
+
+    from tiny_models import make_tokenizer
+    from tokenizers import AddedToken
+
+    from jaxserve.reasoning import get_reasoning_parser
+
+    shutil.copytree(tiny_llama_gqa[0], tmp_path, dirs_exist_ok=True)
+    tok = make_tokenizer(510)
+    tok.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    tok.save_pretrained(tmp_path)
+    end = tok.convert_tokens_to_ids("</think>")
+    assert end < 512  # inside the model's vocabulary
+    llm = LLM(model=str(tmp_path), reasoning_parser="deepseek_r1", **engine_kwargs())
+    regex = r"[0-9]{3}"
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=40, logit_bias={end: 6.0},
+                            structured_outputs=S(regex=regex))  # fmt: skip
+    outs = llm.generate([f"Think {i}:" for i in range(8)], params, use_tqdm=False)
+    parser = get_reasoning_parser("deepseek_r1")(llm.get_tokenizer())
+    free = 0
+    for out in outs:
+        c = out.outputs[0]
+        assert c.token_ids.count(end) == 1 and c.finish_reason == "stop", c.text
+        reasoning, content = parser.split(c.text, final=True)
+        assert re.fullmatch(regex, content), c.text
+        free += bool(reasoning) and not re.fullmatch(r"[0-9]*", reasoning)
+    assert free > 0  # some thinking used tokens the answer's grammar would have refused

@@ -278,3 +278,43 @@ def test_reasoning_then_tool_calls_stream_as_the_whole_message(cut):
     assert got == {"reasoning_content": fields["reasoning_content"], "content": fields["content"],
                    "arguments": fields["tool_calls"][0]["function"]["arguments"]}  # fmt: skip
     assert stream.called
+
+
+async def test_a_slow_grammar_compile_does_not_stall_other_requests(server, http, monkeypatch):
+    """The server compiles a request's grammar on a worker thread: while one takes a second to
+    compile (slowed down here), another request's stream keeps receiving tokens."""
+    import asyncio
+    import time
+
+    engine = server.engine
+    real = engine.check_structured_outputs
+    compiling = {}
+
+    def slow(params):
+        compiling["start"] = time.monotonic()
+        time.sleep(1.0)
+        compiling["end"] = time.monotonic()
+        return real(params)
+
+    monkeypatch.setattr(engine, "check_structured_outputs", slow)
+    session, url = http
+    arrivals = []
+
+    async def stream_other():
+        body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 60, "ignore_eos": True, "stream": True,
+                "temperature": 0}  # fmt: skip
+        async with session.post(url + "v1/completions", json=body) as r:
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    arrivals.append(time.monotonic())
+
+    async def constrained():
+        await asyncio.sleep(0.2)
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "guided_regex": "[0-9]{3}"}
+        async with session.post(url + "v1/completions", json=body) as r:
+            assert r.status == 200
+            assert re.fullmatch("[0-9]{3}", (await r.json())["choices"][0]["text"])
+
+    await asyncio.gather(stream_other(), constrained())
+    during = [t for t in arrivals if compiling["start"] < t < compiling["end"]]
+    assert len(during) >= 3, (len(arrivals), compiling)

@@ -197,8 +197,11 @@ class _SamplingRequest(OpenAIBaseModel):
             structured_outputs=structured_outputs,
         )
 
-    def to_beam_search_params(self, max_tokens: int) -> BeamSearchParams | None:
-        """With `use_beam_search`, vLLM's reading of the request: n beams, returned best first."""
+    def to_beam_search_params(
+        self, max_tokens: int, structured_outputs: StructuredOutputsParams | None = None
+    ) -> BeamSearchParams | None:
+        """With `use_beam_search`, vLLM's reading of the request: n beams, returned best first,
+        under the request's constraint if it has one."""
         if not self.use_beam_search:
             return None
         return BeamSearchParams(
@@ -208,6 +211,7 @@ class _SamplingRequest(OpenAIBaseModel):
             temperature=self.temperature if self.temperature is not None else 0.0,
             length_penalty=self.length_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=structured_outputs,
         )
 
     def check_stream_options(self) -> None:

@@ -68,7 +68,7 @@ class OpenAIServingChat(OpenAIServing):
         reply = self._reply(body, prompt, tools, mode == "named")
         request_id = self.request_id(raw, body, "chatcmpl")
         self.log_request(request_id, prompt, params)
-        beams = [body.to_beam_search_params(params.max_tokens)]
+        beams = [body.to_beam_search_params(params.max_tokens, constraint)]
         outputs = self.generate_all(request_id, [prompt], [params], body.priority, beams)
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": model}
         role = self.role(body)

@@ -44,7 +44,7 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             for p in prompts
         ]
-        beams = [body.to_beam_search_params(sp.max_tokens) for sp in params]
+        beams = [body.to_beam_search_params(sp.max_tokens, constraint) for sp in params]
         request_id = self.request_id(raw, body, "cmpl")
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             self.log_request(request_id if len(prompts) == 1 else f"{request_id}-{i}", p, sp)
