@@ -124,7 +124,10 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: each conversation through the chat template (with `tools` for the
+        template to show the model), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
@@ -137,6 +140,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message,
                 tokenize=True,
+                **({"tools": tools} if tools else {}),
                 **(chat_template_kwargs or {}),
             )
             if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding

@@ -27,6 +27,10 @@ SCRIPT = textwrap.dedent(
     from tiny_models import engine_kwargs
     from jaxserve import LLM, SamplingParams
     from jaxserve.runner.model_runner import bytes_per_device
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+              "ok": {"type": "boolean"}}, "required": ["n", "ok"], "additionalProperties": False}
 
     path, prompts, expert_parallel = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "ep"
     report = {}
@@ -48,8 +52,14 @@ SCRIPT = textwrap.dedent(
             SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
             use_tqdm=False,
         )
+        guided = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)),
+            use_tqdm=False,
+        )
         report[tp] = {
             "tokens": [o.outputs[0].token_ids for o in outs],
+            "guided": [o.outputs[0].text for o in guided],
             "weights": shards,
             "weight_bytes": sum(x.nbytes for x in jax.tree.leaves(runner.state)),
             "fullest_device_bytes": max(bytes_per_device(runner.state).values()),
@@ -96,6 +106,11 @@ def test_greedy_tokens_are_the_same_at_every_tensor_parallel_size(tp_runs):
     for tp in (2, 4, 8, "orbax_tp8"):
         if tp in runs:
             assert runs[tp]["tokens"] == runs[1]["tokens"], f"tp={tp}"
+    for tp in (2, 4, 8):  # under a JSON schema too: the mask is applied to replicated logits
+        assert runs[tp]["guided"] == runs[1]["guided"], f"tp={tp}"
+    for text in runs[1]["guided"]:
+        value = json.loads(text)
+        assert set(value) == {"n", "ok"} and 0 <= value["n"] <= 999
     for prompt, tokens in zip(PROMPTS, runs[1]["tokens"]):
         compared, total = check_greedy(model, prompt, tokens)
         assert total == 16 and compared >= 14

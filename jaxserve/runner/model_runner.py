@@ -16,13 +16,13 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
-import functools
 import logging
 import os
 import threading
 import time
 import weakref
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -148,21 +148,18 @@ class ModelRunner:
         # The device programs by (part, variant): the fused step, or forward and sample_step for a
         # step with a token mask (runner/step.py). Compiled on first use.
         self._programs = {}
-        for variant in StepVariant.all():
-            if variant.with_token_bitmask:
-                self._programs["forward", variant] = jax.jit(
-                    functools.partial(forward, graphdef=self.graphdef, variant=variant), donate_argnums=(1,)
+        k, g = self.num_top_logprobs, self.graphdef
+        for v in StepVariant.all():
+            if v.with_token_bitmask:
+                self._programs["forward", v] = jax.jit(
+                    partial(forward, graphdef=g, variant=v), donate_argnums=(1,)
                 )
-                self._programs["sample", variant] = jax.jit(
-                    functools.partial(sample_step, variant=variant, num_top_logprobs=self.num_top_logprobs),
-                    donate_argnums=(1,),
+                self._programs["sample", v] = jax.jit(
+                    partial(sample_step, variant=v, num_top_logprobs=k), donate_argnums=(1,)
                 )
             else:
-                self._programs["step", variant] = jax.jit(
-                    functools.partial(
-                        step, graphdef=self.graphdef, variant=variant, num_top_logprobs=self.num_top_logprobs
-                    ),
-                    donate_argnums=(1, 2),
+                self._programs["step", v] = jax.jit(
+                    partial(step, graphdef=g, variant=v, num_top_logprobs=k), donate_argnums=(1, 2)
                 )
         self._bitmasks: dict[int, np.ndarray] = {}  # host mask buffers by sequence bucket
         self._init_slot = jax.jit(_init_slot, donate_argnums=0)

@@ -307,3 +307,15 @@ def test_constraint_starts_after_the_reasoning(tiny_llama_gqa, tmp_path):
         assert re.fullmatch(regex, content), c.text
         free += bool(reasoning) and not re.fullmatch(r"[0-9]*", reasoning)
     assert free > 0  # some thinking used tokens the answer's grammar would have refused
+
+
+def test_offline_chat_shows_the_tools_to_the_template(llm):
+    template = (
+        "{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    )
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    [out] = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1), use_tqdm=False,
+                     chat_template=template, tools=[tool])  # fmt: skip
+    prompt = llm.get_tokenizer().decode(out.prompt_token_ids)
+    assert prompt.startswith("[tool get_weather]user: Hi")

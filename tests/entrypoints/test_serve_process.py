@@ -121,15 +121,23 @@ async def test_sigterm_drains_running_requests_and_exits_0(tiny_llama_gqa, tmp_p
         _stop(proc, log)
 
 
+# A constraint on half of the served prompts: the mask travels to every replica and process.
+GUIDED = {"guided_regex": "[a-z]{2,6}( [a-z]{2,6}){1,8}"}
+
+
 def _offline_texts(model: str, prompts: list[list[int]]) -> list[str]:
-    """12 greedy tokens per prompt from one engine in this process (one CPU device)."""
+    """12 greedy tokens per prompt from one engine in this process (one CPU device); the odd
+    prompts under GUIDED."""
     from tiny_models import engine_kwargs
 
     from jaxserve import LLM, SamplingParams
+    from jaxserve.sampling_params import StructuredOutputsParams
 
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    guided = plain.clone(structured_outputs=StructuredOutputsParams(regex=GUIDED["guided_regex"]))
     outs = LLM(model, **engine_kwargs()).generate(
         [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        [guided if i % 2 else plain for i in range(len(prompts))],
         use_tqdm=False,
     )
     return [o.outputs[0].text for o in outs]
@@ -138,14 +146,15 @@ def _offline_texts(model: str, prompts: list[list[int]]) -> list[str]:
 async def _served_texts(url: str, prompts: list[list[int]]) -> list[str]:
     """The same, asked of a server all at once."""
 
-    async def one(session, prompt):
+    async def one(session, i, prompt):
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        body.update(GUIDED if i % 2 else {})
         async with session.post(url + "v1/completions", json=body) as r:
             assert r.status == 200, await r.text()
             return (await r.json())["choices"][0]["text"]
 
     async with aiohttp.ClientSession() as session:
-        return list(await asyncio.gather(*(one(session, p) for p in prompts)))
+        return list(await asyncio.gather(*(one(session, i, p) for i, p in enumerate(prompts))))
 
 
 async def test_two_replicas_of_two_devices_answer_like_one_engine(tiny_llama_gqa, tmp_path):

@@ -16,12 +16,11 @@ from typing import Any
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, bad_request
 from jaxserve.entrypoints.openai.tool_parsers import get_tool_parser
 from jaxserve.entrypoints.openai.tool_parsers.base import (
-    Assembler,
     Broken,
     ParsedCall,
     ParsedText,
     ToolParser,
-    json_call,
+    json_call_array,
     skip_ws,
 )
 from jaxserve.sampling_params import StructuredOutputsParams
@@ -125,24 +124,14 @@ class RequiredToolParser(ToolParser):
     """The reply is a JSON array of {"name", "parameters"} objects (tool_choice "required")."""
 
     def parse(self, text: str, final: bool) -> ParsedText:
-        out = Assembler()
         i = skip_ws(text, 0)
         if not text.startswith("[", i):
-            out.text(text if final else "")
-            return out.result(final)
-        i = skip_ws(text, i + 1)
-        while i < len(text) and text[i] == "{":
-            try:
-                call, end = json_call(text, i, args_keys=("parameters", "arguments"))
-            except Broken:
-                break
-            if call is not None:
-                out.call(call)
-            if end is None:
-                break
-            i = skip_ws(text, end)
-            i = skip_ws(text, i + 1) if text.startswith(",", i) else i
-        return out.result(final)
+            return ParsedText(text if final else "", [])
+        try:
+            calls, _ = json_call_array(text, i, args_keys=("parameters", "arguments"))
+        except Broken:  # the grammar rules this out; a reply that is not calls is content
+            return ParsedText(text if final else "", [])
+        return ParsedText("", calls)
 
 
 def reply_tool_parser(

@@ -312,3 +312,26 @@ def json_call(
     if name is None or not isinstance(parse_json(text[i:end]), dict):
         raise Broken
     return ParsedCall(name, arguments if arguments is not None else "{}", True), end
+
+
+def json_call_array(
+    text: str, i: int, args_keys: tuple[str, ...] = ("arguments", "parameters")
+) -> tuple[list[ParsedCall], int | None]:
+    """The calls of the JSON array [{"name": ..., <args key>: {...}}, ...] opening at text[i], and
+    the index past it (None while it is open)."""
+    calls = []
+    j = skip_ws(text, i + 1)
+    while True:
+        call, end = json_call(text, j, args_keys)
+        if call is not None:
+            calls.append(call)
+        if end is None:
+            return calls, None
+        j = skip_ws(text, end)
+        if j == len(text):
+            return calls, None
+        if text[j] == "]":
+            return calls, j + 1
+        if text[j] != ",":
+            raise Broken
+        j = skip_ws(text, j + 1)

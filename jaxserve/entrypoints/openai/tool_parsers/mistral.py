@@ -14,7 +14,7 @@ from jaxserve.entrypoints.openai.tool_parsers.base import (
     ParsedText,
     ToolParser,
     hold_back,
-    json_call,
+    json_call_array,
     json_value_end,
     parse_json,
     skip_ws,
@@ -46,7 +46,7 @@ class MistralToolParser(ToolParser):
                 if j == len(text):
                     calls, end = [], None
                 elif text[j] == "[":
-                    calls, end = self._array(text, j)
+                    calls, end = json_call_array(text, j)
                 else:
                     calls, end = self._named(text, j)
                 broken = False
@@ -62,25 +62,6 @@ class MistralToolParser(ToolParser):
                 break
             pos = end
         return out.result(final)
-
-    def _array(self, text: str, i: int) -> tuple[list[ParsedCall], int | None]:
-        """The calls of the JSON array at text[i], and the index past it (None while open)."""
-        calls = []
-        j = skip_ws(text, i + 1)
-        while True:
-            call, end = json_call(text, j)
-            if call is not None:
-                calls.append(call)
-            if end is None:
-                return calls, None
-            j = skip_ws(text, end)
-            if j == len(text):
-                return calls, None
-            if text[j] == "]":
-                return calls, j + 1
-            if text[j] != ",":
-                raise Broken
-            j = skip_ws(text, j + 1)
 
     def _named(self, text: str, i: int) -> tuple[list[ParsedCall], int | None]:
         """The call written name[ARGS]{...} at text[i], and the index past it (None while open)."""
