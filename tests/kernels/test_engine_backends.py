@@ -16,14 +16,18 @@ from tiny_models import engine_kwargs, make_family_checkpoint
 from jaxserve import LLM, SamplingParams
 from jaxserve.args import EngineArgs
 from jaxserve.runner.step import StepVariant
+from jaxserve.sampling_params import StructuredOutputsParams
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["pallas-gpu-interpret", "pallas-tpu-interpret"])
 def test_greedy_tokens_equal_the_reference_backends(tiny_llama_gqa, backend):
     rng = np.random.default_rng(2)
-    prompts = [{"prompt_token_ids": rng.integers(3, 500, size=n).tolist()} for n in (5, 21, 40)]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": rng.integers(3, 500, size=n).tolist()} for n in (5, 21, 40, 9)]
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    # the last prompt under a grammar: the masked step (forward, then sampling) runs the kernel too
+    guided = plain.clone(structured_outputs=StructuredOutputsParams(regex="[a-z]+( [a-z]+)*"))
+    params = [plain, plain, plain, guided]
     # the 40-token prompt is chunked; a small pool, since interpreting a kernel costs in its size
     kw = engine_kwargs(max_num_batched_tokens=32, num_gpu_blocks_override=24)
     want = [
@@ -64,7 +68,9 @@ def test_step_lowers_for_tpu_and_gpu_with_the_kernels(tmp_path, monkeypatch):
         runner = LLM(str(tmp_path), **kw).llm_engine.runner
         inputs = runner._dummy_inputs(64, 8)
         inputs = dataclasses.replace(inputs, meta=dataclasses.replace(inputs.meta, backend=backend))
-        step = runner._jitted[StepVariant()]  # the runner's own step, given the compiled kernel's name
+        step = runner._programs[
+            "step", StepVariant()
+        ]  # the runner's own step, given the compiled kernel's name
         with jax.set_mesh(runner.mesh):
             exported = jax.export.export(step, platforms=[platform], disabled_checks=[triton])(
                 runner.state, runner.kv_pool, None, jax.device_put(inputs, runner._replicated)
