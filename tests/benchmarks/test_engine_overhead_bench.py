@@ -1,0 +1,44 @@
+"""benchmarks/engine_overhead.py on tiny batches: every decode step but the last two is measured,
+and the parts it reports fit inside the step they were taken from."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location(
+        "bench_overhead", os.path.join(ROOT, "benchmarks", "engine_overhead.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_steps_are_split_into_host_and_device_time(tmp_path, capsys):
+    out = tmp_path / "o.json"
+    argv = [
+        "--batch-sizes",
+        "1",
+        "4",
+        "--input-len",
+        "8",
+        "--output-len",
+        "12",
+        "--vocab-size",
+        "300",
+        "--enforce-eager",
+    ]
+    assert _load().main([*argv, "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["batch"] for r in report["results"]] == [1, 4]
+    for r in report["results"]:
+        # the first token comes from the prefill; of the 11 decode steps, the last has no successor
+        assert r["decode_steps_measured"] == 10
+        m = r["ms_median"]
+        assert 0 < m["wait"] < m["step"] and 0 < m["scheduler"] + m["prepare"] < m["host"]
+    assert capsys.readouterr().out.count("ms/step") == 2
