@@ -12,11 +12,26 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from jaxserve.beam_search import BeamSearchParams
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import (
+    GuidedDecodingParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
+    "RequestOutputKind",
+    "BeamSearchParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "__version__",
+]
 
 
 def __getattr__(name: str):

@@ -14,7 +14,7 @@ from jaxserve.args import EngineArgs
 from jaxserve.engine.input_processor import PromptType
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -55,6 +55,9 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        # only the final outputs are read here: the engine builds no output before a request ends
+        final_only = {id(p): p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in sampling_params}
+        sampling_params = [final_only[id(p)] for p in sampling_params]
         if len(sampling_params) != len(prompts):
             raise ValueError(
                 f"Got {len(sampling_params)} sampling_params for {len(prompts)} prompts; pass one or one each."

@@ -8,11 +8,22 @@ into arrays so that any mix of settings in one batch runs the same compiled step
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import Any
 
 # Below this temperature a request is treated as greedy, as vLLM does.
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs a request reports while it runs (vLLM's names): every step's cumulative
+    output, or only the final one (what the offline LLM and non-streamed answers need, and the
+    engine then builds no output for the request until it finishes)."""
+
+    CUMULATIVE = 0
+    DELTA = 1  # vLLM's new-tokens-only outputs; not offered here (refused)
+    FINAL_ONLY = 2
 
 
 # The kinds of constraint a StructuredOutputsParams can carry; exactly one is set.
@@ -92,6 +103,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: GuidedDecodingParams | None = None  # the older name of structured_outputs
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None:
@@ -147,6 +159,8 @@ class SamplingParams:
             raise bad("repetition_penalty", "must be positive")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
+        if self.output_kind == RequestOutputKind.DELTA:
+            raise ValueError("output_kind DELTA is not supported by jaxserve; use CUMULATIVE or FINAL_ONLY.")
         if any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings")
         for name in ("logprobs", "prompt_logprobs"):

@@ -61,8 +61,8 @@ class OutputProcessor:
         return stops
 
     def make_outputs(self, updated: Sequence[Request], stats: IterationStats) -> list[RequestOutput]:
-        """A RequestOutput for every request that got a token (best_of > n: only at the end,
-        when the best samples are known); finished requests are forgotten."""
+        """A RequestOutput for every request that got a token (best_of > n, or output_kind
+        FINAL_ONLY: only at the end); finished requests are forgotten."""
         now = time.monotonic()
         changed: dict[str, ParentRequest] = {}
         for req in updated:
@@ -71,7 +71,7 @@ class OutputProcessor:
                 continue
             self._record_token(stats, entry[0], req, now)
             changed[entry[0].request_id] = entry[0]
-        outputs = [self.make_output(p) for p in changed.values() if p.finished or p.best_of == p.n]
+        outputs = [self.make_output(p) for p in changed.values() if p.finished or p.reports_progress]
         for out in outputs:
             if out.finished:
                 self.record_finished(stats, self.pop(out.request_id), now)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.request import Request
+from jaxserve.sampling_params import RequestOutputKind
 
 
 @dataclass
@@ -29,6 +30,12 @@ class ParentRequest:
     first_token_time: float | None = None
     n: int = 1  # samples to return
     best_of: int = 1  # samples to run (the n of highest cumulative logprob are returned)
+
+    @property
+    def reports_progress(self) -> bool:
+        """Outputs while it runs: cumulative outputs asked for, and no best-of-n choice pending."""
+        params = self.children[0].sampling_params
+        return self.best_of == self.n and params.output_kind == RequestOutputKind.CUMULATIVE
 
     @property
     def finished(self) -> bool:

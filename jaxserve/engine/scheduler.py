@@ -397,6 +397,8 @@ def _banned_token_ids(req: Request) -> tuple[int, ...]:
     min_tokens, and the last token of every multi-token bad word whose other tokens the
     output has just produced (vLLM looks at output tokens only)."""
     p = req.sampling_params
+    if not req.bad_words and req.num_output_tokens >= p.min_tokens:
+        return ()  # the common case, every step of most requests
     banned = set()
     if req.num_output_tokens < p.min_tokens:
         banned.update(p.stop_token_ids)

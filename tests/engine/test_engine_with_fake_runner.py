@@ -170,3 +170,22 @@ def test_bad_requests_are_refused_before_anything_is_queued(engine):
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request("y", {"prompt_token_ids": [1] * 10_000}, SamplingParams())
     assert not engine.has_unfinished_requests() and engine.runner.steps == []
+
+
+def test_final_only_requests_report_nothing_until_they_finish(engine):
+    """output_kind FINAL_ONLY (the offline LLM's, and a non-streamed answer's): no output is built
+    for the request before its last step; a CUMULATIVE one reports every token."""
+    from jaxserve.sampling_params import RequestOutputKind
+
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    engine.add_request(
+        "final", {"prompt_token_ids": [5, 6]}, params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+    )
+    engine.add_request("each", {"prompt_token_ids": [5, 6]}, params)
+    seen = {"final": [], "each": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(len(out.outputs[0].token_ids))
+    assert seen == {"final": [5], "each": [1, 2, 3, 4, 5]}
+    with pytest.raises(ValueError, match="DELTA"):
+        SamplingParams(output_kind=RequestOutputKind.DELTA)

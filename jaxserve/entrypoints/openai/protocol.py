@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jaxserve.beam_search import BeamSearchParams
-from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 _INT64 = 2**63 - 1
 # OpenAI clamps each logit_bias value into this range.
@@ -195,6 +195,8 @@ class _SamplingRequest(OpenAIBaseModel):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             structured_outputs=structured_outputs,
+            # an answer sent whole needs only the final output: none is built before it
+            output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 
     def to_beam_search_params(
