@@ -157,9 +157,11 @@ async def test_requests_arrive_on_the_seeded_schedule(aiohttp_server):
     rate, n = 25.0, 8
     await benchmark(Target(url + "/v1/completions", MODEL), samples(n, 2), request_rate=rate, seed=5)
     assert len(fake.arrivals) == n
-    expected = np.cumsum(request_intervals(n, rate, seed=5))
-    observed = np.array(fake.arrivals) - fake.arrivals[0]
-    np.testing.assert_allclose(observed, expected, atol=0.03)
+    # measured from the second arrival: the first also waits for the client's first connection,
+    # which on a loaded machine makes every later offset look early by as much
+    expected = np.cumsum(request_intervals(n, rate, seed=5))[1:]
+    observed = np.array(fake.arrivals[1:]) - fake.arrivals[1]
+    np.testing.assert_allclose(observed, expected - expected[0], atol=0.03)
 
 
 # ---- metrics ---------------------------------------------------------------------------------
