@@ -145,8 +145,7 @@ class ModelRunner:
         self.num_slots = sc.max_num_seqs  # one logit-processing slot per running request at most
         self.num_top_logprobs = self.args.vocab_size if mc.max_logprobs < 0 else max(mc.max_logprobs, 1)
         self.processor_state: ProcessorState | None = None  # allocated when a request first needs it
-        # The device programs by (part, variant): the fused step, or forward and sample_step for a
-        # step with a token mask (runner/step.py). Compiled on first use.
+        # Device programs by (part, variant), compiled on first use: the fused step, or forward + sample_step
         self._programs = {}
         k, g = self.num_top_logprobs, self.graphdef
         for v in StepVariant.all():
@@ -162,6 +161,7 @@ class ModelRunner:
                     partial(step, graphdef=g, variant=v, num_top_logprobs=k), donate_argnums=(1, 2)
                 )
         self._bitmasks: dict[int, np.ndarray] = {}  # host mask buffers by sequence bucket
+        self._mask_words = (self.args.vocab_size + 31) // 32  # int32 words of one row's mask
         self._init_slot = jax.jit(_init_slot, donate_argnums=0)
         # this runner's steps by (bucket, variant): found without building a StepCache key
         self._compiled: dict[tuple[tuple[int, int], StepVariant], jax.stages.Compiled] = {}
@@ -216,8 +216,9 @@ class ModelRunner:
                 with jax.set_mesh(self.mesh):
                     logits = jax.eval_shape(self._programs["forward", variant], *fwd_args)[1]
                 logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=fwd.output_shardings[1])
-                words = (self.args.vocab_size + 31) // 32
-                bitmask = jax.ShapeDtypeStruct((bucket[1], words), jnp.int32, sharding=self._replicated)
+                bitmask = jax.ShapeDtypeStruct(
+                    (bucket[1], self._mask_words), jnp.int32, sharding=self._replicated
+                )
                 compiled = (fwd, self._build("sample", variant, (logits, processors, inputs, bitmask)))
             self._compiled[(bucket, variant)] = compiled
         return compiled
@@ -413,7 +414,7 @@ class ModelRunner:
         """The host's mask buffer of a sequence bucket, reset to all-allowed."""
         buf = self._bitmasks.get(num_seqs)
         if buf is None:
-            buf = self._bitmasks[num_seqs] = np.empty((num_seqs, (self.args.vocab_size + 31) // 32), np.int32)
+            buf = self._bitmasks[num_seqs] = np.empty((num_seqs, self._mask_words), np.int32)
         buf.fill(-1)
         return buf
 

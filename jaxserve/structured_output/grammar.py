@@ -103,10 +103,6 @@ class GrammarCompiler:
         self._executor = None
         self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
 
-    @property
-    def words_per_row(self) -> int:
-        return (self.vocab_size + 31) // 32
-
     def _llguidance(self):
         """The llguidance tokenizer and mask executor, built on first use (a vocabulary scan of
         tens of milliseconds: no cost to an engine that never sees a constrained request)."""
