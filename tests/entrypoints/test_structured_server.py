@@ -301,7 +301,9 @@ async def test_a_slow_grammar_compile_does_not_stall_other_requests(server, http
     arrivals = []
 
     async def stream_other():
-        body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 60, "ignore_eos": True, "stream": True,
+        while "start" not in compiling:  # stream while the other request's grammar compiles
+            await asyncio.sleep(0.01)
+        body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 30, "ignore_eos": True, "stream": True,
                 "temperature": 0}  # fmt: skip
         async with session.post(url + "v1/completions", json=body) as r:
             async for line in r.content:
@@ -309,7 +311,6 @@ async def test_a_slow_grammar_compile_does_not_stall_other_requests(server, http
                     arrivals.append(time.monotonic())
 
     async def constrained():
-        await asyncio.sleep(0.2)
         body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "guided_regex": "[0-9]{3}"}
         async with session.post(url + "v1/completions", json=body) as r:
             assert r.status == 200
