@@ -164,6 +164,11 @@ class EngineArgs:
     scheduling_policy: str = arg(
         G.SCHED, "fcfs", "fcfs, or priority (lower value first, then arrival).", choices=("fcfs", "priority")
     )
+    async_scheduling: bool | None = arg(
+        G.SCHED,
+        None,
+        "Plan and dispatch the next step while the device runs this one; unset = on.",
+    )
     preemption_mode: str = arg(
         G.SCHED,
         "recompute",
@@ -563,6 +568,7 @@ class EngineArgs:
                 policy=self.scheduling_policy,
                 preemption_mode=self.preemption_mode,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                async_scheduling=self.async_scheduling is not False,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,

@@ -75,6 +75,8 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" or "priority"
     preemption_mode: str = "recompute"
     long_prefill_token_threshold: int = 0
+    # Plan and dispatch step N+1 while the device runs step N (engine/llm_engine.py)
+    async_scheduling: bool = True
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,9 @@ ArrayT = TypeVar("ArrayT")
 # Most token ids one row can have masked; requests needing more are refused up front.
 MAX_BANNED_TOKENS = 16
 
+# Stands in token_ids for a token sampled by the previous step and not yet back on the host.
+PLACEHOLDER_TOKEN = -1
+
 
 @dataclass(frozen=True)
 class SamplingRow:
@@ -68,6 +71,10 @@ class ScheduledSeq:
     # prompt_logprobs: for each fed prompt token that has a successor in the prompt, that
     # successor (the token whose logprob this row's logits give); None when not asked for.
     prompt_logprob_targets: tuple[int, ...] | None = None
+    # Asynchronous scheduling: the row of the previous step whose sampled token is this row's last
+    # fed token, which the host does not have yet (token_ids holds PLACEHOLDER_TOKEN there; the
+    # runner feeds the token from the previous step's device output). -1: every token is known.
+    feed_from_row: int = -1
 
     @property
     def num_new(self) -> int:

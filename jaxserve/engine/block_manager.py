@@ -150,6 +150,10 @@ class BlockManager:
     def block_ids(self, req_id: str) -> list[int]:
         return list(self._tables.get(req_id, ()))
 
+    def num_hashed_pages(self, req_id: str) -> int:
+        """The leading pages of the request's table whose hash is recorded (cached or cache hits)."""
+        return len(self._req_hashes.get(req_id, ()))
+
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 

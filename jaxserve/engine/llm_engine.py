@@ -1,9 +1,15 @@
-"""LLMEngine: the synchronous heart of jaxserve. One step() is the whole request path:
+"""LLMEngine: the heart of jaxserve. One step() is the whole request path:
 
-    schedule -> runner.execute -> scheduler.update -> detokenize (stop strings) -> outputs
+    schedule -> runner.dispatch -> runner.collect -> scheduler.update -> detokenize (stop strings)
+    -> outputs
 
-(runner.execute fills the structured-output rows' token masks, through structured_output, while
+(runner.dispatch fills the structured-output rows' token masks, through structured_output, while
 the device runs the forward pass.)
+
+With asynchronous scheduling (the default) a step schedules and dispatches step N+1 before it
+collects step N, so the device runs step N+1 while the host updates requests, detokenizes and
+builds outputs for step N: the host never leaves the device waiting. Requests whose next step
+depends on the token just sampled (structured outputs, bad words) make that step wait for it.
 
 The InputProcessor checks and builds requests, the Scheduler owns them while they run, the
 runner owns everything on the device, and the OutputProcessor turns their tokens into outputs.
@@ -79,6 +85,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.iteration_stats = IterationStats()  # of the last step
         self._between_steps = IterationStats()  # aborts since the last step, counted with the next
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        self._in_flight = None  # (SchedulerOutput, the runner's handle): dispatched, not collected
         self._counter = itertools.count()
 
     @classmethod
@@ -151,7 +159,8 @@ class LLMEngine:
         self.abort_request(list(self.output_processor.parents))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.parents)
+        """Requests alive, or a step still in flight (the next step() collects it)."""
+        return bool(self.output_processor.parents) or self._in_flight is not None
 
     def new_request_id(self) -> str:
         return str(next(self._counter))
@@ -159,15 +168,45 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One engine iteration; returns a RequestOutput for every request that changed."""
+        """One engine iteration; returns a RequestOutput for every request that changed.
+
+        Synchronous: schedule, run and finish one step. Asynchronous: schedule and dispatch the
+        next step, then finish the one in flight (first, if the new step needs its tokens)."""
+        outputs = self._finish_blocking_step()
         sched = self.scheduler.schedule(max_tokens=self.runner.ready_token_budget)
         stats = self._start_iteration(sched)
-        if sched.is_empty:
+        previous, self._in_flight = self._in_flight, self._dispatch(sched, outputs)
+        if previous is not None:
+            outputs += self._finish(previous, stats)
+        if not self.async_scheduling and self._in_flight is not None:
+            outputs += self._finish(self._in_flight, stats)
+            self._in_flight = None
+        return outputs
+
+    def _finish_blocking_step(self) -> list[RequestOutput]:
+        """Finish the step in flight now if the next one cannot be planned without its tokens."""
+        in_flight = self._in_flight
+        if in_flight is None or not self.scheduler.needs_tokens_before_next(in_flight[0]):
             return []
+        self._in_flight = None
+        return self._finish(in_flight, self._between_steps)  # counted with the step about to start
+
+    def _dispatch(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> tuple | None:
+        """Start a step on the device: (the step, the runner's handle), or None when there is
+        nothing to run or it failed to start (its requests' failures go to `outputs`)."""
+        if sched.is_empty:
+            return None
         try:
-            runner_out = self.runner.execute(
-                sched, bitmask_filler(self.grammars, sched, self.scheduler.requests)
-            )
+            return sched, self.runner.dispatch(sched, bitmask_filler(self.grammars, sched, self.scheduler.requests))
+        except Exception as e:
+            outputs += self._fail_step(sched, e)
+            return None
+
+    def _finish(self, in_flight: tuple, stats: IterationStats) -> list[RequestOutput]:
+        """Collect a dispatched step's results and turn them into request state and outputs."""
+        sched, handle = in_flight
+        try:
+            runner_out = self.runner.collect(handle)
         except Exception as e:
             return self._fail_step(sched, e)
         updated = self.scheduler.update(sched, runner_out)
@@ -185,6 +224,7 @@ class LLMEngine:
         rest. If the failure took the KV pool with it (it is donated to the call), every
         live request's KV is gone: the pool is rebuilt and the survivors recompute."""
         logger.error("Engine step failed; failing the requests in it", exc_info=error)
+        self.scheduler.forget(sched)
         message = "The engine failed while running this request (the server log has the details)."
         outputs = []
         for rid in self.output_processor.parent_ids([s.request_id for s in sched.seqs]):

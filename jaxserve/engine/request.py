@@ -60,6 +60,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.cumulative_logprob = 0.0
         self.num_computed_tokens = 0
+        # Tokens sampled by a step still in flight (asynchronous scheduling: 0 or 1), which the
+        # next step is fed on the device before the host has them.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache on first schedule
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

@@ -11,6 +11,13 @@ tokens of prompt + output it has not computed yet. A decode is a chunk of one to
 prefill is a chunk of many; both share one step and one token budget. num_computed_tokens
 advances at schedule time, so the next step can be planned before this one's tokens are
 back.
+
+Asynchronous scheduling plans step N+1 while step N runs: a request whose token step N is
+sampling has one output placeholder (Request.num_output_placeholders), and its row in step N+1
+feeds that token from step N's device output (ScheduledSeq.feed_from_row). update() fills the
+placeholder when the token comes back. A request that the pending token will end on length is
+not scheduled again; one that ends on EOS, a stop token or a stop string has run one row too many,
+whose token is dropped.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.block_manager import BlockManager, PrefixCacheStats
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.scheduler_output import (
+    PLACEHOLDER_TOKEN,
     ModelRunnerOutput,
     SamplingRow,
     ScheduledSeq,
@@ -50,6 +58,9 @@ class Scheduler:
         # (priority, arrival_time), preempted requests re-inserted by the same key.
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # in scheduling order; the tail is preempted first
+        # Steps scheduled and not yet updated: id -> (the step, its sampling requests in row order)
+        self._unreported: dict[int, tuple[SchedulerOutput, tuple[Request, ...]]] = {}
+        self._sampled_rows: dict[str, int] = {}  # request id -> its sampled row in the last step
         self.num_preemptions = 0
         # Device slots for per-request logit processing (penalties, bias): one per running
         # request at most, so max_num_seqs of them never run out.
@@ -154,8 +165,10 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[w]
-            if self._waits_for_prompt_pages(req):
-                w += 1  # a sibling sample: admitted once the first one has its prompt in pages
+            if self._waits_for_prompt_pages(req) or req.num_output_placeholders:
+                # a sibling sample: admitted once the first one has its prompt in pages; a
+                # preempted request: once the token of the step in flight is back
+                w += 1
                 continue
             first_time = req.status == RequestStatus.WAITING
             token_ids = req.all_token_ids
@@ -180,7 +193,24 @@ class Scheduler:
             num_new[req.request_id] = n
             budget -= n
 
-        return SchedulerOutput(seqs=tuple(self._commit(req, num_new[req.request_id]) for req in scheduled))
+        last_rows, self._sampled_rows = self._sampled_rows, {}
+        sched = SchedulerOutput(
+            seqs=tuple(self._commit(req, num_new[req.request_id], row, last_rows) for row, req in enumerate(scheduled))
+        )
+        if scheduled:
+            sampled = tuple(req for req, seq in zip(scheduled, sched.seqs) if seq.sampling is not None)
+            self._unreported[id(sched)] = (sched, sampled)
+        return sched
+
+    def needs_tokens_before_next(self, sched: SchedulerOutput) -> bool:
+        """Whether the next step can only be planned once this one's tokens are back: a row's
+        grammar or bad words depend on the token it samples."""
+        entry = self._unreported.get(id(sched))
+        return entry is not None and any(r.grammar is not None or r.bad_words for r in entry[1])
+
+    def forget(self, sched: SchedulerOutput) -> None:
+        """A step that never ran (its requests are failed): no update() will come for it."""
+        self._unreported.pop(id(sched), None)
 
     def _waits_for_prompt_pages(self, req: Request) -> bool:
         """Samples 2..n of one request share the first one's prompt pages through the prefix
@@ -194,11 +224,22 @@ class Scheduler:
         return alive and first.num_computed_tokens < first.num_prompt_tokens - 1
 
     def _chunk_size(self, req: Request, num_computed: int, budget: int) -> int:
-        n = req.num_tokens - num_computed
+        n = self._target_tokens(req) - num_computed
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0 and self.config.enable_chunked_prefill:
             n = min(n, threshold)  # leave budget for other prefills in the same step
         return min(n, budget)
+
+    def _target_tokens(self, req: Request) -> int:
+        """The tokens whose KV the request needs before its next sample: all it has, and the one a
+        step in flight is sampling for it, unless that token will end it on length anyway."""
+        pending = req.num_output_placeholders
+        if not pending:
+            return req.num_tokens
+        total = req.num_tokens + pending
+        if total - req.num_prompt_tokens >= req.max_tokens or total >= self.config.max_model_len:
+            return req.num_tokens
+        return total
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -219,24 +260,32 @@ class Scheduler:
             self.num_preemptions += 1
         self._push_waiting(req, front=True)
 
-    def _commit(self, req: Request, n: int) -> ScheduledSeq:
-        """Freeze the request's row and advance num_computed_tokens.
+    def _commit(self, req: Request, n: int, row: int, last_rows: dict[str, int]) -> ScheduledSeq:
+        """Freeze the request's row (row `row` of the step) and advance num_computed_tokens.
+        last_rows: the sampled rows of the step before, where a pending token comes from.
 
         Pages are registered in the prefix cache here, after every preemption decision of
-        the step, so that no page whose KV this step will not write is ever cached.
+        the step, so that no page whose KV this step will not write is ever cached; a page
+        holding a token not yet back waits for a later step's commit.
         """
         start = req.num_computed_tokens
         end = start + n
         num_prompt = req.num_prompt_tokens
+        known = req.num_tokens
         if end <= num_prompt:
             token_ids = tuple(req.prompt_token_ids[start:end])
         else:  # avoid building prompt + output for a one-token decode
             token_ids = tuple(req.prompt_token_ids[start:]) + tuple(
                 req.output_token_ids[max(start - num_prompt, 0) : end - num_prompt]
             )
+        feed_from_row = -1
+        if end > known:  # the last token is the one the step in flight samples
+            token_ids += (PLACEHOLDER_TOKEN,)
+            feed_from_row = last_rows[req.request_id]
         bm = self.block_manager
-        if bm.enable_prefix_caching and end // bm.block_size > start // bm.block_size:
-            bm.cache_full_blocks(req.request_id, req.all_token_ids, end)
+        hashable = min(end, known)
+        if bm.enable_prefix_caching and hashable // bm.block_size > bm.num_hashed_pages(req.request_id):
+            bm.cache_full_blocks(req.request_id, req.all_token_ids, hashable)
         req.num_computed_tokens = end
         slot_init = None
         if req.logits_spec is not None and req.slot < 0:
@@ -247,14 +296,20 @@ class Scheduler:
         targets = None
         if req.wants_prompt_logprobs and start < num_prompt - 1:
             targets = tuple(req.prompt_token_ids[start + 1 : min(end, num_prompt - 1) + 1])
+        sampling = None
+        if end == known + req.num_output_placeholders:
+            sampling = _sampling_row(req)
+            req.num_output_placeholders += 1
+            self._sampled_rows[req.request_id] = row
         return ScheduledSeq(
             request_id=req.request_id,
             token_ids=token_ids,
             start_pos=start,
             block_ids=tuple(bm.block_ids(req.request_id)),
-            sampling=_sampling_row(req) if end == req.num_tokens else None,
+            sampling=sampling,
             slot_init=slot_init,
             prompt_logprob_targets=targets,
+            feed_from_row=feed_from_row,
         )
 
     def _free_slot(self, req: Request) -> None:
@@ -266,9 +321,14 @@ class Scheduler:
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
         """Append the sampled tokens and finish requests that stop; returns the requests
-        that received a token (finished ones included). Rows of requests aborted since
-        schedule() are dropped. Logprobs asked for are kept on the request as ranked rows."""
+        that received a token (finished ones included). Rows of requests that finished since
+        schedule() (aborted, or stopped by the step before) are dropped; a request preempted
+        since then keeps its token. Logprobs asked for are kept on the request as ranked rows."""
         now = time.monotonic()
+        # the requests as they were scheduled: one aborted since then is not a new one of the same id
+        entry = self._unreported.pop(id(scheduler_output), None)
+        scheduled = {r.request_id: r for r in entry[1]} if entry is not None else self.requests
+        sampled = [scheduled.get(req_id) for req_id in runner_output.req_ids]
         starts = {s.request_id: s.start_pos for s in scheduler_output.seqs}
         for req_id, ranked in runner_output.prompt_logprobs.items():
             req = self.requests.get(req_id)
@@ -278,12 +338,11 @@ class Scheduler:
         tokens = runner_output.sampled_token_ids.tolist()
         logprobs = runner_output.logprobs.tolist()
         top = runner_output.top_logprobs
-        for row, (req_id, token, logprob) in enumerate(
-            zip(runner_output.req_ids, tokens, logprobs, strict=True)
-        ):
-            req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+        for row, (req, token, logprob) in enumerate(zip(sampled, tokens, logprobs, strict=True)):
+            if req is None or req.is_finished:
                 continue
+            if req.num_output_placeholders:
+                req.num_output_placeholders -= 1
             req.output_token_ids.append(token)
             req.cumulative_logprob += logprob
             if req.grammar is not None:
@@ -381,7 +440,7 @@ def _sampling_row(req: Request) -> SamplingRow:
         top_p=p.top_p,
         min_p=p.min_p,
         seed=req.seed,
-        step=req.num_output_tokens,
+        step=req.num_output_tokens + req.num_output_placeholders,
         banned_token_ids=_banned_token_ids(req),
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
@@ -397,15 +456,16 @@ def _banned_token_ids(req: Request) -> tuple[int, ...]:
     min_tokens, and the last token of every multi-token bad word whose other tokens the
     output has just produced (vLLM looks at output tokens only)."""
     p = req.sampling_params
-    if not req.bad_words and req.num_output_tokens >= p.min_tokens:
+    num_output = req.num_output_tokens + req.num_output_placeholders
+    if not req.bad_words and num_output >= p.min_tokens:
         return ()  # the common case, every step of most requests
     banned = set()
-    if req.num_output_tokens < p.min_tokens:
+    if num_output < p.min_tokens:
         banned.update(p.stop_token_ids)
         if req.eos_token_id is not None and not p.ignore_eos:
             banned.add(req.eos_token_id)
     out = req.output_token_ids
-    for word in req.bad_words:
+    for word in req.bad_words:  # (a request with bad words is never scheduled ahead of its tokens)
         prefix = len(word) - 1
         if prefix <= len(out) and tuple(out[len(out) - prefix :]) == word[:-1]:
             banned.add(word[-1])

@@ -29,6 +29,9 @@ class BatchInputs:
     # [num_tokens] int32: for a fed prompt token whose logprob-successor is wanted
     # (prompt_logprobs), that successor's id; -1 elsewhere
     prompt_targets: np.ndarray
+    # [num_tokens] int32: for a token the host does not have yet (asynchronous scheduling), the row
+    # of the previous step's sampled tokens it is taken from on the device; -1 elsewhere
+    feed_rows: np.ndarray
 
 
 def prepare(
@@ -83,6 +86,7 @@ def prepare(
     repetition = np.ones(num_seqs, np.float32)
     slot = np.full(num_seqs, -1, np.int32)
     prompt_targets = np.full(num_tokens, -1, np.int32)
+    feed_rows = np.full(num_tokens, -1, np.int32)
     for i, s in enumerate(seqs):
         r = s.sampling
         if r is not None:
@@ -98,6 +102,8 @@ def prepare(
         targets = s.prompt_logprob_targets
         if targets:
             prompt_targets[cu[i] : cu[i] + len(targets)] = targets
+        if s.feed_from_row >= 0:
+            feed_rows[cu[i + 1] - 1] = s.feed_from_row
 
     return BatchInputs(
         input_ids=input_ids,
@@ -125,4 +131,5 @@ def prepare(
             slot=slot,
         ),
         prompt_targets=prompt_targets,
+        feed_rows=feed_rows,
     )

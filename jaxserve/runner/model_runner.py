@@ -2,9 +2,9 @@
 
 The model is split once into (graphdef, state); one pure step function (forward over a
 ragged batch, logits at sampled rows, sampling) is compiled ahead of time for every
-shape bucket, with the KV pool donated so it is updated in place. `execute` turns a
-SchedulerOutput into one host->device transfer, one compiled call and one device->host
-copy of the results.
+shape bucket, with the KV pool donated so it is updated in place. `dispatch` turns a
+SchedulerOutput into one host->device transfer and one compiled call, and returns without waiting
+for the device; `collect` makes the one device->host copy of its results. (`execute`: both.)
 
 The step program itself is runner/step.py, and its variants (StepVariant) are compiled the
 first time a batch needs them. Compiled steps are kept in a StepCache (runner/step_cache.py):
@@ -23,6 +23,7 @@ import time
 import weakref
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -163,6 +164,10 @@ class ModelRunner:
         self._bitmasks: dict[int, np.ndarray] = {}  # host mask buffers by sequence bucket
         self._mask_words = (self.args.vocab_size + 31) // 32  # int32 words of one row's mask
         self._init_slot = jax.jit(_init_slot, donate_argnums=0)
+        # The last dispatched step's sampled tokens, padded to the largest sequence bucket: what a
+        # step fed a token the host does not have yet reads it from.
+        self._last_tokens = jax.device_put(np.zeros(self.buckets.seqs[-1], np.int32), self._replicated)
+        self._abstract_last_tokens = _abstract(self._last_tokens)
         # this runner's steps by (bucket, variant): found without building a StepCache key
         self._compiled: dict[tuple[tuple[int, int], StepVariant], jax.stages.Compiled] = {}
         self._abstract_state = _abstract(self.state)
@@ -206,12 +211,13 @@ class ModelRunner:
         if compiled is None:
             inputs = _abstract(self._dummy_inputs(*bucket), self._replicated)
             processors = _abstract(self._processor_state()) if variant.with_processor_state else None
+            last = self._abstract_last_tokens
             if not variant.with_token_bitmask:
                 compiled = self._build(
-                    "step", variant, (self._abstract_state, self._abstract_pool, processors, inputs)
+                    "step", variant, (self._abstract_state, self._abstract_pool, processors, last, inputs)
                 )
             else:
-                fwd_args = (self._abstract_state, self._abstract_pool, inputs)
+                fwd_args = (self._abstract_state, self._abstract_pool, last, inputs)
                 fwd = self._build("forward", variant, fwd_args)
                 with jax.set_mesh(self.mesh):
                     logits = jax.eval_shape(self._programs["forward", variant], *fwd_args)[1]
@@ -219,7 +225,7 @@ class ModelRunner:
                 bitmask = jax.ShapeDtypeStruct(
                     (bucket[1], self._mask_words), jnp.int32, sharding=self._replicated
                 )
-                compiled = (fwd, self._build("sample", variant, (logits, processors, inputs, bitmask)))
+                compiled = (fwd, self._build("sample", variant, (logits, processors, inputs, bitmask, last)))
             self._compiled[(bucket, variant)] = compiled
         return compiled
 
@@ -363,16 +369,21 @@ class ModelRunner:
     def num_compiled(self) -> int:
         return len(self._compiled)
 
-    def execute(
+    def execute(self, sched: SchedulerOutput, fill_bitmask=None) -> ModelRunnerOutput:
+        """Run one step and wait for its results."""
+        return self.collect(self.dispatch(sched, fill_bitmask))
+
+    def dispatch(
         self,
         sched: SchedulerOutput,
         fill_bitmask: Callable[[np.ndarray], None] | None = None,
         bitmask: np.ndarray | None = None,
-    ) -> ModelRunnerOutput:
-        """Run one step. With constrained rows (structured outputs), `fill_bitmask` writes their
-        token masks into the all-allowed [seq bucket, ceil(vocab / 32)] int32 array it is given; it
-        is called while the device runs the forward pass. `bitmask`: the mask already filled (how
-        process 0 hands it to the others, which replay the call)."""
+    ) -> DispatchedStep:
+        """Start one step on the device and return without waiting for it (collect() waits). With
+        constrained rows (structured outputs), `fill_bitmask` writes their token masks into the
+        all-allowed [seq bucket, ceil(vocab / 32)] int32 array it is given; it is called while the
+        device runs the forward pass. `bitmask`: the mask already filled (how process 0 hands it
+        to the others, which replay the call)."""
         bucket = self.ready_buckets.pick(sched.num_tokens, len(sched.seqs))
         variant = StepVariant.for_batch(sched)
         if variant.with_token_bitmask and bitmask is None:
@@ -381,7 +392,7 @@ class ModelRunner:
                 fill_bitmask(bitmask)
                 fill_bitmask = None
         if self.channel is not None:
-            self.channel.publish("execute", sched, None, bitmask)
+            self.channel.publish("dispatch", sched, None, bitmask)
         inputs = batch_lib.prepare(
             sched, *bucket, self.page_size, self.pages_per_seq, self.pad_slot, self.attention_backend
         )
@@ -391,24 +402,31 @@ class ModelRunner:
         compiled = self._compile(bucket, variant)
         processors = self.processor_state if variant.with_processor_state else None
         device_inputs = jax.device_put(inputs, self._replicated)
+        last = self._last_tokens
         if variant.with_token_bitmask:
             forward_program, sample_program = compiled
-            self.kv_pool, logits = forward_program(self.state, self.kv_pool, device_inputs)
+            self.kv_pool, logits = forward_program(self.state, self.kv_pool, last, device_inputs)
             if fill_bitmask is not None:
                 fill_bitmask(bitmask)  # the host's work while the device runs the forward pass
-            processors, result = sample_program(
-                logits, processors, device_inputs, jax.device_put(bitmask, self._replicated)
+            processors, self._last_tokens, result = sample_program(
+                logits, processors, device_inputs, jax.device_put(bitmask, self._replicated), last
             )
         else:
-            self.kv_pool, processors, result = compiled(self.state, self.kv_pool, processors, device_inputs)
+            self.kv_pool, processors, self._last_tokens, result = compiled(
+                self.state, self.kv_pool, processors, last, device_inputs
+            )
         if variant.with_processor_state:
             self.processor_state = processors
-        # the one device->host copy (several processes: from this process's own replica)
+        return DispatchedStep(sched, inputs, result)
+
+    def collect(self, step: DispatchedStep) -> ModelRunnerOutput:
+        """Wait for a dispatched step: the one device->host copy of its results (several processes:
+        from this process's own replica)."""
         if self.mesh.is_multi_process:
-            result = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), result)
+            result = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), step.result)
         else:
-            result = jax.device_get(result)
-        return self._runner_output(sched, inputs, result)
+            result = jax.device_get(step.result)
+        return self._runner_output(step.sched, step.inputs, result)
 
     def _bitmask(self, num_seqs: int) -> np.ndarray:
         """The host's mask buffer of a sequence bucket, reset to all-allowed."""
@@ -440,6 +458,14 @@ class ModelRunner:
             top_logprobs=None if result.top is None else result.top.take(rows),
             prompt_logprobs=prompt,
         )
+
+
+class DispatchedStep(NamedTuple):
+    """A step running on the device: what collect() needs to read its results."""
+
+    sched: SchedulerOutput
+    inputs: batch_lib.BatchInputs  # the host's copy of its inputs
+    result: StepResult  # device arrays, ready when the step is done
 
 
 def _init_slot(state: ProcessorState, slot, mask, counts, bias) -> ProcessorState:

@@ -11,6 +11,10 @@ The step comes in variants (StepVariant), each compiled the first time a batch n
 never per request. The plain variant is what start-up compiles; a batch that needs none of
 the extras never pays for them.
 
+Every program takes the previous step's sampled tokens (`last_tokens`, still on the device) and
+returns its own, padded to the largest sequence bucket: a row whose last token the host does not
+have yet (asynchronous scheduling) is fed it from there.
+
 A step with structured outputs runs as two programs, `forward` then `sample_step`, instead of the
 fused `step`: the host fills the grammar's token mask while the device runs the forward pass, and
 the mask is an argument of the second program only.
@@ -83,6 +87,7 @@ class StepResult:
 def forward(
     state: nnx.State,
     kv_pool: jax.Array,  # [num_layers * pages_per_layer, 2 * num_kv_heads, page_size, head_dim], donated
+    last_tokens: jax.Array,  # [largest seq bucket] int32, the previous step's sampled tokens
     inputs: BatchInputs,
     *,
     graphdef: nnx.GraphDef,
@@ -93,7 +98,8 @@ def forward(
     model = nnx.merge(graphdef, state)
     all_rows = variant.with_prompt_logprobs
     rows = jnp.arange(inputs.input_ids.shape[0], dtype=jnp.int32) if all_rows else inputs.logits_indices
-    logits, kv_pool = model(inputs.input_ids, inputs.positions, kv_pool, inputs.meta, rows)
+    fed = jnp.where(inputs.feed_rows >= 0, last_tokens[jnp.maximum(inputs.feed_rows, 0)], inputs.input_ids)
+    logits, kv_pool = model(fed, inputs.positions, kv_pool, inputs.meta, rows)
     return kv_pool, logits
 
 
@@ -102,11 +108,13 @@ def sample_step(
     processors: ProcessorState | None,  # given exactly when variant.with_processor_state; donated
     inputs: BatchInputs,
     bitmask: jax.Array | None,  # [num_seqs, ceil(vocab / 32)] int32, given exactly when with_token_bitmask
+    last_tokens: jax.Array,  # the previous step's, for their shape and sharding
     *,
     variant: StepVariant,
     num_top_logprobs: int,
-) -> tuple[ProcessorState | None, StepResult]:
-    """Sampling and the logprobs asked for, from forward's logits."""
+) -> tuple[ProcessorState | None, jax.Array, StepResult]:
+    """Sampling and the logprobs asked for, from forward's logits: (processor state, the sampled
+    tokens padded like last_tokens, results)."""
     all_rows = variant.with_prompt_logprobs
     sample_logits = logits[inputs.logits_indices] if all_rows else logits
     if bitmask is not None:
@@ -120,23 +128,25 @@ def sample_step(
         prompt = top_logprobs(lps, targets, num_top_logprobs)
     if processors is not None:
         processors = count_sampled(processors, inputs.sampling.slot, tokens)
-    return processors, StepResult(tokens, logprobs, top, prompt)
+    sampled = jnp.zeros_like(last_tokens).at[: tokens.shape[0]].set(tokens)
+    return processors, sampled, StepResult(tokens, logprobs, top, prompt)
 
 
 def step(
     state: nnx.State,
     kv_pool: jax.Array,  # donated
     processors: ProcessorState | None,  # given exactly when variant.with_processor_state; donated
+    last_tokens: jax.Array,  # the previous step's sampled tokens
     inputs: BatchInputs,
     *,
     graphdef: nnx.GraphDef,
     variant: StepVariant,
     num_top_logprobs: int,  # k of the top-k variants (the model's max_logprobs)
-) -> tuple[jax.Array, ProcessorState | None, StepResult]:
-    """One step, fused: (kv_pool, processor state, results). The keyword arguments are static
-    (bind them before jit); the rest are traced."""
-    kv_pool, logits = forward(state, kv_pool, inputs, graphdef=graphdef, variant=variant)
-    processors, result = sample_step(
-        logits, processors, inputs, None, variant=variant, num_top_logprobs=num_top_logprobs
+) -> tuple[jax.Array, ProcessorState | None, jax.Array, StepResult]:
+    """One step, fused: (kv_pool, processor state, sampled tokens padded like last_tokens,
+    results). The keyword arguments are static (bind them before jit); the rest are traced."""
+    kv_pool, logits = forward(state, kv_pool, last_tokens, inputs, graphdef=graphdef, variant=variant)
+    processors, sampled, result = sample_step(
+        logits, processors, inputs, None, last_tokens, variant=variant, num_top_logprobs=num_top_logprobs
     )
-    return kv_pool, processors, result
+    return kv_pool, processors, sampled, result

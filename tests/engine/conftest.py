@@ -6,8 +6,12 @@ tokens where the page table says, and reads the whole context back through the p
 table before it samples. So a wrong page table, a page shared when it should not be, or
 a prefix-cache hit on the wrong page shows up as a context that differs from the
 request's tokens. The sampled token is a hash of that context, so a request's output
-depends only on its prompt: any schedule (chunked, preempted, cached) must produce the
-same outputs.
+depends only on its prompt: any schedule (chunked, preempted, cached, overlapped) must produce
+the same outputs.
+
+run_to_completion(overlap=True) drives the scheduler as the asynchronous engine does: step N+1
+is scheduled and run before step N's tokens are handed back, and FakeModel feeds a row's pending
+token from its own previous answer, as the device does.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxserve.scheduler_output import PLACEHOLDER_TOKEN, ModelRunnerOutput, SchedulerOutput
 
 EOS = 1
 # Fake sampled tokens lie in [FIRST_FAKE_TOKEN, FIRST_FAKE_TOKEN + NUM_FAKE_TOKENS), away
@@ -43,30 +47,38 @@ class FakeModel:
         self.token_fn = token_fn or (lambda req, context: context_token(context))
         self.kv: dict[tuple[int, int], int] = {}
         self.seen: dict[str, Request] = {}  # a request aborted after schedule() still runs
+        self.last_sampled: dict[int, int] = {}  # row -> token sampled there, in the last call
 
     def __call__(self, out: SchedulerOutput) -> ModelRunnerOutput:
         bs = self.block_size
-        req_ids, tokens = [], []
-        for seq in out.seqs:
+        req_ids, tokens, sampled = [], [], {}
+        for row, seq in enumerate(out.seqs):
             req = self.scheduler.requests.get(seq.request_id) or self.seen[seq.request_id]
             self.seen[seq.request_id] = req
             end = seq.start_pos + seq.num_new
             assert seq.num_new > 0
             assert 0 not in seq.block_ids, "the null page must never be handed out"
             assert len(seq.block_ids) * bs >= end
-            assert list(seq.token_ids) == req.all_token_ids[seq.start_pos : end]
-            for pos, token in enumerate(seq.token_ids, start=seq.start_pos):
+            fed, expected = list(seq.token_ids), req.all_token_ids
+            if seq.feed_from_row >= 0:  # the token the last call sampled and the host lacks
+                assert fed[-1] == PLACEHOLDER_TOKEN and end == req.num_tokens + 1
+                fed[-1] = self.last_sampled[seq.feed_from_row]
+                expected = expected + [fed[-1]]
+            assert fed == expected[seq.start_pos : end]
+            for pos, token in enumerate(fed, start=seq.start_pos):
                 self.kv[(seq.block_ids[pos // bs], pos % bs)] = token
             context = [self.kv.get((seq.block_ids[pos // bs], pos % bs)) for pos in range(end)]
-            assert context == req.all_token_ids[:end], f"{req} read a corrupted context"
+            assert context == expected[:end], f"{req} read a corrupted context"
             if seq.sampling is not None:
-                assert end == req.num_tokens
-                assert seq.sampling.step == req.num_output_tokens
+                assert end == len(expected)
+                assert seq.sampling.step == len(expected) - req.num_prompt_tokens
                 assert seq.sampling.seed == req.seed
                 req_ids.append(seq.request_id)
                 tokens.append(self.token_fn(req, context))
+                sampled[row] = tokens[-1]
             else:
-                assert end < req.num_tokens
+                assert end < len(expected)
+        self.last_sampled = sampled
         return ModelRunnerOutput(
             req_ids=tuple(req_ids),
             sampled_token_ids=np.asarray(tokens, np.int32),
@@ -95,21 +107,31 @@ def check_accounting(scheduler: Scheduler) -> None:
 
 
 def run_to_completion(
-    scheduler: Scheduler, model: FakeModel | None = None, max_steps: int = 10_000
+    scheduler: Scheduler, model: FakeModel | None = None, max_steps: int = 10_000, overlap: bool = False
 ) -> list[SchedulerOutput]:
-    """Step until every request finishes, checking the budget and accounting each step."""
+    """Step until every request finishes, checking the budget and accounting each step.
+    overlap: update each step only after the next one is scheduled and run (asynchronous
+    scheduling); a step may then schedule nothing while every request waits for its token."""
     model = model or FakeModel(scheduler)
     outputs = []
+    in_flight = None
     for _ in range(max_steps):
-        if not scheduler.has_unfinished_requests():
+        if not scheduler.has_unfinished_requests() and in_flight is None:
             break
         out = scheduler.schedule()
         assert out.num_tokens <= scheduler.config.max_num_batched_tokens
         assert len(out.seqs) <= scheduler.config.max_num_seqs
-        assert not out.is_empty, "a step with unfinished requests scheduled nothing"
-        scheduler.update(out, model(out))
+        assert not out.is_empty or in_flight is not None, "a step with unfinished requests scheduled nothing"
+        answer = model(out) if not out.is_empty else None
+        if in_flight is not None:
+            scheduler.update(*in_flight)
+        in_flight = (out, answer) if answer is not None else None
+        if not overlap and in_flight is not None:
+            scheduler.update(*in_flight)
+            in_flight = None
         check_accounting(scheduler)
-        outputs.append(out)
+        if not out.is_empty:
+            outputs.append(out)
     else:
         raise AssertionError("requests did not finish")
     bm = scheduler.block_manager

@@ -32,37 +32,48 @@ class FakeRunner:
         self.kv_pool_lost = False
         self.fail_next = 0  # steps to fail from now on
         self.steps: list[SchedulerOutput] = []
+        self.last_tokens: list[int] = []  # each row's sampled token in the last step
 
-    def execute(self, sched: SchedulerOutput, fill_bitmask=None) -> ModelRunnerOutput:
+    def dispatch(self, sched: SchedulerOutput, fill_bitmask=None) -> ModelRunnerOutput:
+        """Answers at once; the handle is the answer. A token the host does not have yet is read
+        from the previous step's rows, as the device does."""
         self.steps.append(sched)
         if self.fail_next:
             self.fail_next -= 1
             raise RuntimeError("the device is on fire")
-        rows = [s for s in sched.seqs if s.sampling is not None]
-        tokens = np.array([(s.token_ids[-1] + 1) % self.args.vocab_size for s in rows], np.int32)
-        logprobs = np.array([-(1 + s.sampling.seed % 5) / 10 for s in rows], np.float32)
+        fed = [self.last_tokens[s.feed_from_row] if s.feed_from_row >= 0 else s.token_ids[-1] for s in sched.seqs]
+        assert all(t >= 0 for t in fed)
+        self.last_tokens = [(t + 1) % self.args.vocab_size for t in fed]
+        rows = [i for i, s in enumerate(sched.seqs) if s.sampling is not None]
+        tokens = np.array([self.last_tokens[i] for i in rows], np.int32)
+        logprobs = np.array([-(1 + sched.seqs[i].sampling.seed % 5) / 10 for i in rows], np.float32)
         top = None
-        if any(s.sampling.logprobs is not None for s in rows):  # the sampled token is the likeliest
+        if any(sched.seqs[i].sampling.logprobs is not None for i in rows):  # the sampled token is the likeliest
             top = TopLogprobs(
                 ids=tokens[:, None], logprobs=logprobs[:, None], chosen_logprobs=logprobs,
                 chosen_ranks=np.ones(len(rows), np.int32),
             )  # fmt: skip
         return ModelRunnerOutput(
-            req_ids=tuple(s.request_id for s in rows),
+            req_ids=tuple(sched.seqs[i].request_id for i in rows),
             sampled_token_ids=tokens,
             logprobs=logprobs,
             top_logprobs=top,
         )
 
+    def collect(self, handle: ModelRunnerOutput) -> ModelRunnerOutput:
+        return handle
+
     def reset_kv_pool(self) -> None:
         self.kv_pool_lost = False
 
 
-@pytest.fixture
-def engine(tiny_llama_gqa):
+@pytest.fixture(params=[True, False], ids=["async", "sync"])
+def engine(tiny_llama_gqa, request):
     kwargs = engine_kwargs(max_num_seqs=4, num_gpu_blocks_override=32)
     kwargs.pop("compilation_config")
-    config = EngineArgs(model=tiny_llama_gqa[0], **kwargs).create_engine_config()
+    config = EngineArgs(
+        model=tiny_llama_gqa[0], async_scheduling=request.param, **kwargs
+    ).create_engine_config()
     runner = FakeRunner(config.cache_config.num_gpu_blocks_override, config.model_config.get("vocab_size"))
     return LLMEngine(config, runner=runner)
 

@@ -244,8 +244,8 @@ def test_reset_prefix_cache(make_scheduler, make_request, fake_model, run):
 def fixed_tokens(tokens_by_request):
     """A token_fn that emits a scripted sequence per request."""
 
-    def token_fn(req, context):
-        return tokens_by_request[req.request_id][req.num_output_tokens]
+    def token_fn(req, context):  # the context ends with the last token fed before this one
+        return tokens_by_request[req.request_id][len(context) - req.num_prompt_tokens]
 
     return token_fn
 

@@ -63,13 +63,13 @@ def test_steps_fit_the_ready_buckets_until_the_rest_compile(
     assert runner.num_compiled == len(first)
 
     steps = []
-    original_execute = runner.execute
+    original_dispatch = runner.dispatch
 
-    def execute(sched, fill_bitmask=None):
+    def dispatch(sched, fill_bitmask=None):
         steps.append(sched.num_tokens)
-        return original_execute(sched, fill_bitmask)
+        return original_dispatch(sched, fill_bitmask)
 
-    runner.execute = execute
+    runner.dispatch = dispatch
     for i, prompt in enumerate(batch):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     outputs = {}

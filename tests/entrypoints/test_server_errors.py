@@ -266,16 +266,16 @@ async def test_disconnect_aborts_and_frees_every_page(http, llm_engine, stream):
 
 async def test_a_failed_step_fails_only_its_requests(server, http, llm_engine, reference, monkeypatch):
     runner = llm_engine.runner
-    real_execute = runner.execute
+    real_dispatch = runner.dispatch
     calls = {"n": 0}
 
     def flaky(sched, fill_bitmask=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected device failure")
-        return real_execute(sched, fill_bitmask)
+        return real_dispatch(sched, fill_bitmask)
 
-    monkeypatch.setattr(runner, "execute", flaky)
+    monkeypatch.setattr(runner, "dispatch", flaky)
     session, url = http
     body = {"model": MODEL, "prompt": PROMPTS[8], **{"temperature": 0, "max_tokens": MAX_TOKENS}}
     async with session.post(url + "v1/completions", json=body) as r:
@@ -292,7 +292,7 @@ async def test_a_failed_step_fails_only_its_requests(server, http, llm_engine, r
 
 async def test_a_step_that_loses_the_kv_pool_rebuilds_it(server, http, llm_engine, reference, monkeypatch):
     runner = llm_engine.runner
-    real_execute = runner.execute
+    real_dispatch = runner.dispatch
     calls = {"n": 0}
 
     def loses_pool(sched, fill_bitmask=None):
@@ -300,9 +300,9 @@ async def test_a_step_that_loses_the_kv_pool_rebuilds_it(server, http, llm_engin
         if calls["n"] == 3:  # mid-stream: the donated pool is consumed, then the call fails
             runner.kv_pool.delete()
             raise RuntimeError("device lost the step")
-        return real_execute(sched, fill_bitmask)
+        return real_dispatch(sched, fill_bitmask)
 
-    monkeypatch.setattr(runner, "execute", loses_pool)
+    monkeypatch.setattr(runner, "dispatch", loses_pool)
     session, url = http
     body = {"model": MODEL, "prompt": PROMPTS[10], "temperature": 0, "max_tokens": MAX_TOKENS, "stream": True}
     async with session.post(url + "v1/completions", json=body) as r:
@@ -325,7 +325,7 @@ async def test_health_is_503_when_the_engine_cannot_go_on(server, http, llm_engi
     def cannot_rebuild():
         raise RuntimeError("out of device memory")
 
-    monkeypatch.setattr(runner, "execute", broken)
+    monkeypatch.setattr(runner, "dispatch", broken)
     monkeypatch.setattr(runner, "reset_kv_pool", cannot_rebuild)
     session, url = http
     async with session.post(url + "v1/completions", json={"prompt": "x", "max_tokens": 2}) as r:

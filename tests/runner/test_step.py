@@ -68,10 +68,10 @@ def test_one_jitted_step_traced_for_two_backends_runs_each_ones_kernel(tiny_llam
 
     results = {}
     for backend in ("reference", "gpu-interpret"):
-        args = (runner.state, runner.kv_pool, None, inputs(backend))
+        args = (runner.state, runner.kv_pool, None, runner._last_tokens, inputs(backend))
         kernel_calls = str(step.trace(*args).jaxpr).count("pallas_call")  # GPU: a decode and a prefill launch
         assert (kernel_calls > 0) == (backend != "reference"), (backend, kernel_calls)
-        runner.kv_pool, _, result = step(*args)  # the pool is donated: the next call reads the new one
+        runner.kv_pool, _, _, result = step(*args)  # the pool is donated: the next call reads the new one
         results[backend] = jax.device_get(result)
     ref, kernel = results["reference"], results["gpu-interpret"]
     np.testing.assert_array_equal(kernel.tokens[:2], ref.tokens[:2])
