@@ -1,18 +1,20 @@
-"""The engine loop's host overhead, on a model too small to cost the device anything.
+"""The engine loop's host overhead, on a model too small to cost the device anything:
+synchronous against asynchronous scheduling, alternating in one engine.
 
 A 2-layer, 64-wide Llama with dummy weights (written to a temporary directory, no tokenizer)
 decodes greedily from 32-token prompts at batch 1, 64 and 256; every decode step (a step whose
 rows are all single-token decodes) is timed from the outside by wrapping the engine's parts:
 
-- step: one `LLMEngine.step()`, wall time;
+- step: one `LLMEngine.step()`, wall time (in steady state one step is dispatched and one
+  collected per call, so this is the time per step either way);
 - scheduler: `Scheduler.schedule`; prepare: `batch.prepare` (the step's numpy inputs);
 - wait: the device->host copy of the results (`jax.device_get`), i.e. the host waiting for the device;
 - host: step - wait, the host's own work per step (scheduling, preparing, dispatching, updating
   requests, building outputs);
-- idle gap: from the end of one step's wait (its results are in) to the start of the next step's
-  wait, less that step's own dispatch: what the device waits for the host between two steps.
+- device: the same decode step's program replayed back to back with nothing else running;
+- idle gap: step - device, the time per step the device is not running a step.
 
-    python benchmarks/engine_overhead.py [--batch-sizes 1 64 256] [--output-json FILE]
+    python benchmarks/engine_overhead.py [--batch-sizes 1 64 256] [--rounds 2] [--output-json FILE]
 """
 
 from __future__ import annotations
@@ -65,13 +67,12 @@ class Timer:
 
 
 def measure(
-    model_dir: str, batch: int, input_len: int, output_len: int, seed: int, eager: bool = False
+    model_dir: str, batch: int, input_len: int, output_len: int, seed: int, eager: bool = False, rounds: int = 2
 ) -> dict:
     import jax
     import numpy as np
 
     from jaxserve import LLM, SamplingParams
-    from jaxserve.runner import batch as batch_lib
 
     llm = LLM(
         model=model_dir,
@@ -86,10 +87,36 @@ def measure(
     )
     engine = llm.llm_engine
     vocab = int(engine.config.model_config.get("vocab_size"))
-    prompts = np.random.default_rng(seed).integers(3, vocab, size=(batch, input_len)).tolist()
+    prompts = [{"prompt_token_ids": p} for p in np.random.default_rng(seed).integers(3, vocab, size=(batch, input_len)).tolist()]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params.clone(max_tokens=4), use_tqdm=False)
+    tokens, rows = {}, {"sync": [], "async": []}
+    for mode in rows:  # warm-up: every shape compiled before anything is timed
+        engine.async_scheduling = mode == "async"
+        llm.generate(prompts, params.clone(max_tokens=4), use_tqdm=False)
+    decode_step = []
+    for _ in range(rounds):
+        for mode in rows:  # alternating, so that a noisy machine weighs on both alike
+            engine.async_scheduling = mode == "async"
+            found, tokens[mode] = _timed_run(llm, prompts, params, batch, decode_step)
+            rows[mode] += found
+    assert tokens["sync"] == tokens["async"], "asynchronous scheduling changed the outputs"
+    device = _device_time(engine, decode_step[-1]) if decode_step else float("nan")
+    result = {"batch": batch, "device_ms": 1000 * device}
+    for mode, found in rows.items():
+        summary = {k: 1000 * statistics.median(r[k] for r in found) for k in found[0]} if found else {}
+        if summary:
+            summary["idle_gap"] = max(0.0, summary["step"] - 1000 * device)
+        result[mode] = {"decode_steps_measured": len(found), "ms_median": summary}
+    return result
 
+
+def _timed_run(llm, prompts, params, batch: int, decode_step: list) -> tuple[list[dict], list]:
+    """One generate() with the engine's parts timed: the decode steps' rows and the outputs."""
+    import jax
+
+    from jaxserve.runner import batch as batch_lib
+
+    engine = llm.llm_engine
     sizes: list[int] = []
     step = Timer(engine, "step")
     schedule = Timer(engine.scheduler, "schedule")
@@ -99,7 +126,10 @@ def measure(
 
     def counting_schedule(*args, **kwargs):
         out = inner_schedule(*args, **kwargs)
-        sizes.append(-1 if out.is_empty else (out.num_tokens if out.num_tokens == len(out.seqs) else 0))
+        decode = not out.is_empty and out.num_tokens == len(out.seqs)
+        sizes.append(len(out.seqs) if decode else 0)
+        if decode and len(out.seqs) == batch:
+            decode_step[:] = [out]
         return out
 
     schedule.inner = counting_schedule
@@ -107,9 +137,7 @@ def measure(
     try:
         for t in timers:
             t.on = True
-        start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         for t in timers:
             t.restore()
@@ -120,13 +148,12 @@ def measure(
 
     steps = [
         (span, within(schedule, span), within(prepare, span), within(wait, span), n)
-        for span, n in zip(step.calls, sizes, strict=True)
+        for span, n in zip(step.calls, sizes, strict=False)
     ]
     rows = []
-    for (span, sched, prep, waited, n), (_, _, next_prep, next_wait, next_n) in zip(steps, steps[1:]):
-        if n != batch or next_n != batch or None in (sched, prep, waited, next_prep, next_wait):
+    for (span, sched, prep, waited, n), (_, _, _, _, next_n) in zip(steps, steps[1:]):
+        if n != batch or next_n != batch or None in (sched, prep, waited):
             continue  # a decode step followed by a decode step
-        dispatch = next_wait[0] - next_prep[1]  # the next step's transfer and launch, before it waits
         rows.append(
             {
                 "step": span[1] - span[0],
@@ -134,11 +161,33 @@ def measure(
                 "prepare": prep[1] - prep[0],
                 "wait": waited[1] - waited[0],
                 "host": (span[1] - span[0]) - (waited[1] - waited[0]),
-                "idle_gap": max(0.0, (next_wait[0] - waited[1]) - dispatch),
             }
         )
-    summary = {k: 1000 * statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {}
-    return {"batch": batch, "decode_steps_measured": len(rows), "elapsed_s": elapsed, "ms_median": summary}
+    return rows, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _device_time(engine, sched, repeats: int = 30) -> float:
+    """Seconds per run of a decode step's program replayed back to back (no host work between)."""
+    import jax
+
+    from jaxserve.runner import batch as batch_lib
+    from jaxserve.runner.step import StepVariant
+
+    runner = engine.runner
+    bucket = runner.ready_buckets.pick(sched.num_tokens, len(sched.seqs))
+    program = runner._compile(bucket, StepVariant.for_batch(sched))
+    args = (sched, *bucket, runner.page_size, runner.pages_per_seq, runner.pad_slot, runner.attention_backend)
+    inputs = jax.device_put(batch_lib.PackedBatch.pack(batch_lib.prepare(*args)), runner._replicated)
+    pool, last = runner.kv_pool, runner._last_tokens
+    for i in range(repeats + 3):
+        if i == 3:
+            jax.block_until_ready(last)
+            start = time.perf_counter()
+        pool, _, last, _ = program(runner.state, pool, None, last, inputs)
+    jax.block_until_ready(last)
+    elapsed = time.perf_counter() - start
+    runner.kv_pool, runner._last_tokens = pool, last
+    return elapsed / repeats
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=2, help="Alternating sync/async runs per batch size.")
     parser.add_argument("--output-json", default=None)
     parser.add_argument(
         "--enforce-eager", action="store_true", help="Compile only the shapes used (quick runs)."
@@ -165,14 +215,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump({**TINY, "vocab_size": ns.vocab_size}, fh)
         for batch in ns.batch_sizes:
             with contextlib.redirect_stderr(open(os.devnull, "w")):
-                r = measure(model_dir, batch, ns.input_len, ns.output_len, ns.seed, ns.enforce_eager)
+                r = measure(
+                    model_dir, batch, ns.input_len, ns.output_len, ns.seed, ns.enforce_eager, ns.rounds
+                )
             results.append(r)
-            m = r["ms_median"]
-            print(
-                f"batch {batch:4d}: {m['step']:.2f} ms/step, host {m['host']:.2f} (scheduler {m['scheduler']:.2f}, "
-                f"prepare {m['prepare']:.2f}), wait {m['wait']:.2f}, idle gap {m['idle_gap']:.2f} "
-                f"[{r['decode_steps_measured']} decode steps]"
-            )
+            for mode in ("sync", "async"):
+                m = r[mode]["ms_median"]
+                print(
+                    f"batch {batch:4d} {mode:5s}: {m['step']:.2f} ms/step, host {m['host']:.2f} (scheduler "
+                    f"{m['scheduler']:.2f}, prepare {m['prepare']:.2f}), wait {m['wait']:.2f}, device "
+                    f"{r['device_ms']:.2f}, idle gap {m['idle_gap']:.2f} [{r[mode]['decode_steps_measured']} steps]"
+                )
+            sync, overlapped = r["sync"]["ms_median"], r["async"]["ms_median"]
+            r["async_over_sync"] = {k: overlapped[k] / sync[k] if sync[k] else None for k in ("step", "host")}
+            print(f"batch {batch:4d}: async/sync step time {r['async_over_sync']['step']:.2f}x")
     if ns.output_json:
         with open(ns.output_json, "w") as fh:
             json.dump(

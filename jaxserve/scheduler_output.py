@@ -25,14 +25,18 @@ PLACEHOLDER_TOKEN = -1
 
 @dataclass(frozen=True)
 class SamplingRow:
-    """What the in-jit sampler needs for one sampled row."""
+    """What the in-jit sampler needs for one sampled row. The same for every step of a request
+    unless its slot, its banned tokens or its grammar's activity change, so the scheduler keeps
+    one per request."""
 
     temperature: float  # 0.0 means greedy
     top_k: int  # 0 means off
     top_p: float
     min_p: float
     seed: int  # the request's effective seed
-    step: int  # index of the token being sampled (output tokens so far); folded into the key
+    # The request's prompt length, where its outputs start: the token sampled at position p (the
+    # row's start_pos + num_new) is output p - output_start, an index folded into the seed's key.
+    output_start: int
     banned_token_ids: tuple[int, ...] = ()  # masked out this step (see _banned_token_ids)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -42,7 +42,7 @@ def check_greedy(torch_model, prompt: list[int], generated: list[int]) -> tuple[
     return compared, len(generated)
 
 
-GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, step=0)
+GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, output_start=0)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -123,6 +123,7 @@ class BlockManager:
         # removal from the middle, which a cache hit on a free page needs.
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self._tables: dict[str, list[int]] = {}
+        self._frozen: dict[str, tuple[int, ...]] = {}  # block_table's last answer per request
         # Chained hashes of the request's full pages registered so far; the next page's
         # hash chains from the last one.
         self._req_hashes: dict[str, list[BlockHash]] = {}
@@ -149,6 +150,15 @@ class BlockManager:
 
     def block_ids(self, req_id: str) -> list[int]:
         return list(self._tables.get(req_id, ()))
+
+    def block_table(self, req_id: str) -> tuple[int, ...]:
+        """The request's page table as a tuple, copied again only when it has grown (tables only
+        grow while a request holds them)."""
+        table = self._tables.get(req_id, ())
+        frozen = self._frozen.get(req_id)
+        if frozen is None or len(frozen) != len(table):
+            frozen = self._frozen[req_id] = tuple(table)
+        return frozen
 
     def num_hashed_pages(self, req_id: str) -> int:
         """The leading pages of the request's table whose hash is recorded (cached or cache hits)."""
@@ -189,6 +199,8 @@ class BlockManager:
         pool cannot supply the pages.
         """
         table = self._tables.get(req_id)
+        if table is not None and not computed_blocks and len(table) * self.block_size >= num_tokens:
+            return True  # the common decode step: the last page has room
         if computed_blocks and table:
             raise ValueError(f"Request {req_id!r} already has pages; cache hits only apply to a new table.")
         have = len(table) if table else 0
@@ -253,6 +265,7 @@ class BlockManager:
         """
         table = self._tables.pop(req_id, None)
         self._req_hashes.pop(req_id, None)
+        self._frozen.pop(req_id, None)
         if table is None:
             return
         for block in reversed(table):

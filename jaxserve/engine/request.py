@@ -72,6 +72,7 @@ class Request:
         # and the slot while the request runs.
         self.logits_spec: LogitsSpec | None = None
         self.slot = -1
+        self.sampling_row = None  # its last scheduler_output.SamplingRow, reused while unchanged
         self.bad_words: tuple[tuple[int, ...], ...] = ()  # multi-token bad words, as token ids
         # Structured outputs: the sequence's place in its grammar (structured_output.RequestGrammar)
         self.grammar = None

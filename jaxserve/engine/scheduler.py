@@ -274,7 +274,9 @@ class Scheduler:
         known = req.num_tokens
         if end <= num_prompt:
             token_ids = tuple(req.prompt_token_ids[start:end])
-        else:  # avoid building prompt + output for a one-token decode
+        elif start >= num_prompt:  # a decode
+            token_ids = tuple(req.output_token_ids[start - num_prompt : end - num_prompt])
+        else:  # avoid building prompt + output
             token_ids = tuple(req.prompt_token_ids[start:]) + tuple(
                 req.output_token_ids[max(start - num_prompt, 0) : end - num_prompt]
             )
@@ -305,7 +307,7 @@ class Scheduler:
             request_id=req.request_id,
             token_ids=token_ids,
             start_pos=start,
-            block_ids=tuple(bm.block_ids(req.request_id)),
+            block_ids=bm.block_table(req.request_id),
             sampling=sampling,
             slot_init=slot_init,
             prompt_logprob_targets=targets,
@@ -433,22 +435,30 @@ def _priority_key(req: Request) -> tuple[int, float]:
 
 
 def _sampling_row(req: Request) -> SamplingRow:
+    """The request's row, built again only when its slot, banned tokens or grammar's activity
+    changed since its last step."""
+    banned = _banned_token_ids(req)
+    constrained = req.grammar is not None and req.grammar.active
+    row = req.sampling_row
+    if row is not None and row.slot == req.slot and row.banned_token_ids == banned and row.constrained == constrained:
+        return row
     p = req.sampling_params
-    return SamplingRow(
+    row = req.sampling_row = SamplingRow(
         temperature=p.temperature,
         top_k=p.top_k,
         top_p=p.top_p,
         min_p=p.min_p,
         seed=req.seed,
-        step=req.num_output_tokens + req.num_output_placeholders,
-        banned_token_ids=_banned_token_ids(req),
+        output_start=req.num_prompt_tokens,
+        banned_token_ids=banned,
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty,
         slot=req.slot,
         logprobs=p.logprobs,
-        constrained=req.grammar is not None and req.grammar.active,
+        constrained=constrained,
     )
+    return row
 
 
 def _banned_token_ids(req: Request) -> tuple[int, ...]:

@@ -4,6 +4,10 @@ numpy and sent to the device in one transfer.
 Layout: the new tokens of every scheduled sequence back to back, then padding up to the
 token bucket; per-sequence arrays padded up to the sequence bucket. Padding tokens write
 their KV to a slot past the pool (dropped) and padding sequences have no tokens.
+
+On the way to the device the ~20 arrays travel packed into two (PackedBatch: every integer array
+in one int32 buffer, every float array in one float32 buffer), which the step unpacks inside its
+program: two transfers a step instead of one per array, a millisecond less host work per step.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.layers.attention import AttentionMetadata
@@ -74,31 +79,27 @@ def prepare(
     logits_indices = np.zeros(num_seqs, np.int32)
     logits_indices[:n] = np.maximum(cu[1 : n + 1] - 1, 0)
 
-    temperature = np.zeros(num_seqs, np.float32)
-    top_k = np.zeros(num_seqs, np.int32)
-    top_p = np.ones(num_seqs, np.float32)
-    min_p = np.zeros(num_seqs, np.float32)
-    seeds = np.zeros(num_seqs, np.uint32)
-    steps = np.zeros(num_seqs, np.int32)
+    # Sampling parameters: neutral (greedy, no filter, no penalty) on rows that sample nothing.
+    floats = np.zeros((num_seqs, 6), np.float32)  # temperature, top_p, min_p, presence, frequency, repetition
+    floats[:, 1] = floats[:, 5] = 1.0
+    ints = np.zeros((num_seqs, 4), np.int64)  # top_k, seed, step, slot
+    ints[:, 3] = -1
     banned = np.full((num_seqs, MAX_BANNED_TOKENS), -1, np.int32)
-    presence = np.zeros(num_seqs, np.float32)
-    frequency = np.zeros(num_seqs, np.float32)
-    repetition = np.ones(num_seqs, np.float32)
-    slot = np.full(num_seqs, -1, np.int32)
+    sampled = [i for i, s in enumerate(seqs) if s.sampling is not None]
+    if sampled:
+        rows = [seqs[i].sampling for i in sampled]
+        floats[sampled] = [
+            (r.temperature, r.top_p, r.min_p, r.presence_penalty, r.frequency_penalty, r.repetition_penalty)
+            for r in rows
+        ]
+        ints[sampled] = [(r.top_k, r.seed & 0xFFFFFFFF, -r.output_start, r.slot) for r in rows]
+        ints[sampled, 2] += kv_lens[sampled]  # the sampled token's position less the prompt's length
+        for i, r in zip(sampled, rows):
+            if r.banned_token_ids:
+                banned[i, : len(r.banned_token_ids)] = r.banned_token_ids
     prompt_targets = np.full(num_tokens, -1, np.int32)
     feed_rows = np.full(num_tokens, -1, np.int32)
     for i, s in enumerate(seqs):
-        r = s.sampling
-        if r is not None:
-            temperature[i], top_k[i], top_p[i], min_p[i] = r.temperature, r.top_k, r.top_p, r.min_p
-            seeds[i], steps[i] = r.seed & 0xFFFFFFFF, r.step
-            banned[i, : len(r.banned_token_ids)] = r.banned_token_ids
-            presence[i], frequency[i], repetition[i] = (
-                r.presence_penalty,
-                r.frequency_penalty,
-                r.repetition_penalty,
-            )
-            slot[i] = r.slot
         targets = s.prompt_logprob_targets
         if targets:
             prompt_targets[cu[i] : cu[i] + len(targets)] = targets
@@ -118,18 +119,60 @@ def prepare(
         ),
         logits_indices=logits_indices,
         sampling=SamplingArrays(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            seeds=seeds,
-            steps=steps,
+            temperature=floats[:, 0].copy(),
+            top_k=ints[:, 0].astype(np.int32),
+            top_p=floats[:, 1].copy(),
+            min_p=floats[:, 2].copy(),
+            seeds=ints[:, 1].astype(np.uint32),
+            steps=ints[:, 2].astype(np.int32),
             banned=banned,
-            presence=presence,
-            frequency=frequency,
-            repetition=repetition,
-            slot=slot,
+            presence=floats[:, 3].copy(),
+            frequency=floats[:, 4].copy(),
+            repetition=floats[:, 5].copy(),
+            slot=ints[:, 3].astype(np.int32),
         ),
         prompt_targets=prompt_targets,
         feed_rows=feed_rows,
     )
+
+
+@jax.tree_util.register_pytree_node_class
+class PackedBatch:
+    """A BatchInputs as two flat buffers (int32, float32) and, static, how to cut them apart."""
+
+    def __init__(self, ints, floats, layout: tuple):
+        self.ints, self.floats, self.layout = ints, floats, layout
+
+    @classmethod
+    def pack(cls, inputs: BatchInputs) -> PackedBatch:
+        leaves, treedef = jax.tree.flatten(inputs)
+        ints = [x.view(np.int32).ravel() for x in leaves if x.dtype != np.float32]
+        floats = [x.ravel() for x in leaves if x.dtype == np.float32]
+        layout = (treedef, tuple((x.dtype.name, x.shape) for x in leaves))
+        return cls(np.concatenate(ints), np.concatenate(floats), layout)
+
+    def unpack(self) -> BatchInputs:
+        """The BatchInputs again (inside the step: slices of the two buffers)."""
+        treedef, specs = self.layout
+        leaves, at = [], {"float32": 0, "int": 0}
+        for dtype, shape in specs:
+            kind = "float32" if dtype == "float32" else "int"
+            buf = self.floats if kind == "float32" else self.ints
+            size = int(np.prod(shape))
+            x = buf[at[kind] : at[kind] + size].reshape(shape)
+            at[kind] += size
+            if dtype == "uint32":
+                x = jax.lax.bitcast_convert_type(x, jnp.uint32)
+            leaves.append(x)
+        return jax.tree.unflatten(treedef, leaves)
+
+    def tree_flatten(self):
+        return (self.ints, self.floats), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls(*children, layout)
+
+
+def unpacked(inputs: BatchInputs | PackedBatch) -> BatchInputs:
+    return inputs.unpack() if isinstance(inputs, PackedBatch) else inputs

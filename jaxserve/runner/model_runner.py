@@ -209,7 +209,7 @@ class ModelRunner:
         variant with a token mask."""
         compiled = self._compiled.get((bucket, variant))
         if compiled is None:
-            inputs = _abstract(self._dummy_inputs(*bucket), self._replicated)
+            inputs = _abstract(batch_lib.PackedBatch.pack(self._dummy_inputs(*bucket)), self._replicated)
             processors = _abstract(self._processor_state()) if variant.with_processor_state else None
             last = self._abstract_last_tokens
             if not variant.with_token_bitmask:
@@ -401,7 +401,7 @@ class ModelRunner:
                 self._fill_slot(s.slot_init)
         compiled = self._compile(bucket, variant)
         processors = self.processor_state if variant.with_processor_state else None
-        device_inputs = jax.device_put(inputs, self._replicated)
+        device_inputs = jax.device_put(batch_lib.PackedBatch.pack(inputs), self._replicated)
         last = self._last_tokens
         if variant.with_token_bitmask:
             forward_program, sample_program = compiled

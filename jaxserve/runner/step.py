@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.layers.sampler import ProcessorState, apply_token_bitmask, count_sampled, sample, top_logprobs
-from jaxserve.runner.batch import BatchInputs
+from jaxserve.runner.batch import BatchInputs, PackedBatch, unpacked
 from jaxserve.scheduler_output import SchedulerOutput, TopLogprobs
 
 
@@ -88,13 +88,14 @@ def forward(
     state: nnx.State,
     kv_pool: jax.Array,  # [num_layers * pages_per_layer, 2 * num_kv_heads, page_size, head_dim], donated
     last_tokens: jax.Array,  # [largest seq bucket] int32, the previous step's sampled tokens
-    inputs: BatchInputs,
+    inputs: BatchInputs | PackedBatch,
     *,
     graphdef: nnx.GraphDef,
     variant: StepVariant,
 ) -> tuple[jax.Array, jax.Array]:
     """The model over the batch: (kv_pool, logits), the logits at the sampled rows, or at every
     fed token for the prompt-logprobs variant."""
+    inputs = unpacked(inputs)
     model = nnx.merge(graphdef, state)
     all_rows = variant.with_prompt_logprobs
     rows = jnp.arange(inputs.input_ids.shape[0], dtype=jnp.int32) if all_rows else inputs.logits_indices
@@ -106,7 +107,7 @@ def forward(
 def sample_step(
     logits: jax.Array,  # forward's logits
     processors: ProcessorState | None,  # given exactly when variant.with_processor_state; donated
-    inputs: BatchInputs,
+    inputs: BatchInputs | PackedBatch,
     bitmask: jax.Array | None,  # [num_seqs, ceil(vocab / 32)] int32, given exactly when with_token_bitmask
     last_tokens: jax.Array,  # the previous step's, for their shape and sharding
     *,
@@ -115,6 +116,7 @@ def sample_step(
 ) -> tuple[ProcessorState | None, jax.Array, StepResult]:
     """Sampling and the logprobs asked for, from forward's logits: (processor state, the sampled
     tokens padded like last_tokens, results)."""
+    inputs = unpacked(inputs)
     all_rows = variant.with_prompt_logprobs
     sample_logits = logits[inputs.logits_indices] if all_rows else logits
     if bitmask is not None:
@@ -137,7 +139,7 @@ def step(
     kv_pool: jax.Array,  # donated
     processors: ProcessorState | None,  # given exactly when variant.with_processor_state; donated
     last_tokens: jax.Array,  # the previous step's sampled tokens
-    inputs: BatchInputs,
+    inputs: BatchInputs | PackedBatch,
     *,
     graphdef: nnx.GraphDef,
     variant: StepVariant,

@@ -19,7 +19,7 @@ def _load():
     return module
 
 
-def test_decode_steps_are_split_into_host_and_device_time(tmp_path, capsys):
+def test_decode_steps_are_split_into_host_and_device_time_both_ways(tmp_path, capsys):
     out = tmp_path / "o.json"
     argv = [
         "--batch-sizes",
@@ -32,13 +32,19 @@ def test_decode_steps_are_split_into_host_and_device_time(tmp_path, capsys):
         "--vocab-size",
         "300",
         "--enforce-eager",
+        "--rounds",
+        "1",
     ]
-    assert _load().main([*argv, "--output-json", str(out)]) == 0
+    assert _load().main([*argv, "--output-json", str(out)]) == 0  # (it checks that the outputs agree)
     report = json.loads(out.read_text())
     assert [r["batch"] for r in report["results"]] == [1, 4]
     for r in report["results"]:
-        # the first token comes from the prefill; of the 11 decode steps, the last has no successor
-        assert r["decode_steps_measured"] == 10
-        m = r["ms_median"]
-        assert 0 < m["wait"] < m["step"] and 0 < m["scheduler"] + m["prepare"] < m["host"]
-    assert capsys.readouterr().out.count("ms/step") == 2
+        assert r["device_ms"] > 0
+        for mode in ("sync", "async"):
+            # the first token comes from the prefill; of the 11 decode steps, the last has no successor
+            assert r[mode]["decode_steps_measured"] == 10
+            m = r[mode]["ms_median"]
+            assert 0 < m["wait"] < m["step"] and 0 < m["scheduler"] + m["prepare"] < m["host"]
+            assert m["idle_gap"] == max(0.0, m["step"] - r["device_ms"])
+        assert r["async_over_sync"]["step"] == r["async"]["ms_median"]["step"] / r["sync"]["ms_median"]["step"]
+    assert capsys.readouterr().out.count("ms/step") == 4

@@ -71,7 +71,7 @@ class FakeModel:
             assert context == expected[:end], f"{req} read a corrupted context"
             if seq.sampling is not None:
                 assert end == len(expected)
-                assert seq.sampling.step == len(expected) - req.num_prompt_tokens
+                assert seq.sampling.output_start == req.num_prompt_tokens
                 assert seq.sampling.seed == req.seed
                 req_ids.append(seq.request_id)
                 tokens.append(self.token_fn(req, context))

@@ -5,10 +5,11 @@ offsets and sampling settings, then padding sequences with no tokens."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
-from jaxserve.runner.batch import prepare
+from jaxserve.runner.batch import PackedBatch, prepare
 from jaxserve.scheduler_output import MAX_BANNED_TOKENS, SamplingRow, ScheduledSeq, SchedulerOutput
 
 PAGE = 4
@@ -21,14 +22,14 @@ SAMPLED = SamplingRow(
     top_p=0.9,
     min_p=0.05,
     seed=2**32 + 7,  # the request's seed, kept to its low 32 bits on the device
-    step=3,
+    output_start=4,  # decoding position 6, so sampling position 7: output 3
     banned_token_ids=(4, 9),
     presence_penalty=0.5,
     frequency_penalty=0.25,
     repetition_penalty=1.1,
     slot=2,
 )
-GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, step=0)
+GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, output_start=6)
 
 STEP = SchedulerOutput(
     (
@@ -102,3 +103,17 @@ def test_an_empty_step_is_all_padding():
 def test_a_step_larger_than_its_bucket_is_refused(bucket):
     with pytest.raises(ValueError, match=r"step of 9 tokens / 3 seqs exceeds bucket"):
         prepare(STEP, *bucket, PAGE, PAGES_PER_SEQ, PAD_SLOT, "reference")
+
+
+def test_the_packed_transfer_unpacks_to_the_same_arrays():
+    """Two buffers on the way to the device; every array back with its shape, dtype and values
+    (the seeds' full 32 bits included)."""
+    inputs = prepare(STEP, 16, 4, PAGE, PAGES_PER_SEQ, PAD_SLOT, "reference")
+    packed = PackedBatch.pack(inputs)
+    assert (packed.ints.dtype, packed.floats.dtype) == (np.int32, np.float32)
+    back = jax.jit(PackedBatch.unpack)(jax.device_put(packed))
+    assert jax.tree.structure(back) == jax.tree.structure(inputs)  # the backend too
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(inputs), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got), want)
+    assert inputs.sampling.seeds[1] == 7 and inputs.sampling.seeds.dtype == np.uint32

@@ -14,7 +14,7 @@ from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.step import StepVariant
 from jaxserve.scheduler_output import SamplingRow, ScheduledSeq, SchedulerOutput
 
-GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, step=0)
+GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, output_start=0)
 
 
 def test_every_variant_once_the_plain_one_first():
