@@ -8,6 +8,7 @@ frozen data: neither side holds a reference into the other's state.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, TypeVar
 
@@ -64,8 +65,9 @@ class SlotInit:
     output_token_ids: tuple[int, ...]  # non-empty when a preempted request resumes
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
+    """One row of a step (a NamedTuple: hundreds are built every step)."""
+
     request_id: str
     token_ids: tuple[int, ...]  # [num_new] tokens fed this step, starting at position start_pos
     start_pos: int  # tokens of this sequence already in the KV cache
@@ -89,9 +91,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     seqs: tuple[ScheduledSeq, ...]  # rows with new tokens, in the order the runner lays them out
 
-    @property
+    @functools.cached_property
     def num_tokens(self) -> int:
-        return sum(s.num_new for s in self.seqs)
+        return sum(len(s.token_ids) for s in self.seqs)
 
     @property
     def is_empty(self) -> bool:

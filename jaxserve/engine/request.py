@@ -24,12 +24,15 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:
         """vLLM's finish_reason string, or None while the request is alive."""
         return self.value if self.finished else None
+
+
+_FINISHED = frozenset(s for s in RequestStatus if s.value in ("stop", "length", "abort", "error"))
 
 
 class Request:

@@ -54,8 +54,10 @@ def prepare(
         raise ValueError(
             f"step of {sched.num_tokens} tokens / {n} seqs exceeds bucket ({num_tokens}, {num_seqs})"
         )
-    q_lens = np.fromiter((s.num_new for s in seqs), np.int32, n)
-    starts = np.fromiter((s.start_pos for s in seqs), np.int32, n)
+    # one pass over the rows for their scalars: (new tokens, start, pages, feed row)
+    per_seq = np.array([(len(s.token_ids), s.start_pos, len(s.block_ids), s.feed_from_row) for s in seqs], np.int32)
+    per_seq = per_seq.reshape(n, 4)
+    q_lens, starts, num_pages, feed_from = per_seq.T
     cu = np.zeros(num_seqs + 1, np.int32)
     np.cumsum(q_lens, out=cu[1 : n + 1])
     cu[n + 1 :] = cu[n]
@@ -71,8 +73,10 @@ def prepare(
         seq_of_token = np.repeat(np.arange(n), q_lens)
         pos = starts[seq_of_token] + (np.arange(total) - cu[seq_of_token])
         positions[:total] = pos
-        for i, s in enumerate(seqs):
-            page_indices[i, : len(s.block_ids)] = s.block_ids
+        seq_of_page = np.repeat(np.arange(n), num_pages)
+        first_page = np.cumsum(num_pages) - num_pages
+        pages = np.fromiter((b for s in seqs for b in s.block_ids), np.int32, len(seq_of_page))
+        page_indices[seq_of_page, np.arange(len(seq_of_page)) - first_page[seq_of_page]] = pages
         slot_mapping[:total] = page_indices[seq_of_token, pos // page_size] * page_size + pos % page_size
         kv_lens[:n] = starts + q_lens
 
@@ -98,13 +102,13 @@ def prepare(
             if r.banned_token_ids:
                 banned[i, : len(r.banned_token_ids)] = r.banned_token_ids
     prompt_targets = np.full(num_tokens, -1, np.int32)
-    feed_rows = np.full(num_tokens, -1, np.int32)
     for i, s in enumerate(seqs):
         targets = s.prompt_logprob_targets
         if targets:
             prompt_targets[cu[i] : cu[i] + len(targets)] = targets
-        if s.feed_from_row >= 0:
-            feed_rows[cu[i + 1] - 1] = s.feed_from_row
+    feed_rows = np.full(num_tokens, -1, np.int32)
+    fed = feed_from >= 0
+    feed_rows[cu[1 : n + 1][fed] - 1] = feed_from[fed]  # each such row's last token
 
     return BatchInputs(
         input_ids=input_ids,

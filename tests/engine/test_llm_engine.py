@@ -272,3 +272,57 @@ def test_generation_config_sets_request_defaults(tmp_path):
     assert len(out.token_ids) <= 5
     plain = LLM(str(tmp_path), **engine_kwargs(generation_config="vllm")).get_default_sampling_params()
     assert (plain.temperature, plain.top_k, plain.max_tokens, plain.repetition_penalty) == (1.0, 0, 16, 1.0)
+
+
+def _everything(output) -> tuple[list, list]:
+    """All a RequestOutput says about its completions: (what must be equal, the logprobs). The
+    logprobs are compared to float32 rounding: a step's variant follows its batch (a row with
+    top logprobs, a constrained row), and a request's batch-mates change when another request's
+    stop is seen a step later."""
+    exact = [(c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in output.outputs]
+    lps = [c.cumulative_logprob for c in output.outputs if c.cumulative_logprob is not None]
+    for c in output.outputs:
+        lps += [lp.logprob for step in c.logprobs or () for lp in step.values()]
+    lps += [lp.logprob for step in output.prompt_logprobs or () if step for lp in step.values()]
+    return exact, lps
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"num_gpu_blocks_override": 12, "max_num_seqs": 4}, {"max_num_batched_tokens": 16, "max_num_seqs": 4}],
+    ids=["preemption", "chunked-prefill"],
+)
+def test_asynchronous_scheduling_changes_no_output(tiny_llama_gqa, prompts, overrides):
+    """One engine, the same mixed requests with async scheduling off, then on: every token, text,
+    finish and stop reason is the same, and every logprob to float32 rounding; greedy and seeded, n and best_of,
+    penalties, logprobs and prompt logprobs, stops, and the requests that make a step wait for
+    its tokens (bad words, a grammar)."""
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    llm = LLM(tiny_llama_gqa[0], **engine_kwargs(**overrides))
+    free = _generate(llm, [prompts[0]])[0]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True)
+    params = [
+        GREEDY,
+        seeded.clone(n=3, logprobs=3),
+        seeded.clone(n=2, best_of=3, seed=5),
+        seeded.clone(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, min_tokens=4,
+                     logit_bias={7: 2.0}, prompt_logprobs=2),  # fmt: skip
+        GREEDY.clone(stop_token_ids=[free[5]], ignore_eos=False),
+        GREEDY.clone(stop=[llm.get_tokenizer().decode(free[3:5])]),
+        seeded.clone(bad_words=[llm.get_tokenizer().decode(free[:2])]),
+        GREEDY.clone(structured_outputs=StructuredOutputsParams(choice=["alpha", "beta gamma"]), max_tokens=8),
+    ]
+    requests = [{"prompt_token_ids": prompts[i % len(prompts)]} for i in range(len(params))]
+    engine = llm.llm_engine
+    results = {}
+    for mode in (False, True):
+        engine.async_scheduling = mode
+        results[mode] = [_everything(o) for o in llm.generate(requests, params, use_tqdm=False)]
+        bm = engine.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_usable_blocks and not engine.has_unfinished_requests()
+    for (exact, lps), (exact_sync, lps_sync) in zip(results[True], results[False], strict=True):
+        assert exact == exact_sync
+        np.testing.assert_allclose(lps, lps_sync, rtol=1e-5, atol=1e-5)
+    if "num_gpu_blocks_override" in overrides:
+        assert engine.scheduler.num_preemptions > 0
