@@ -67,9 +67,14 @@ class Timer:
 
 
 def measure(
-    model_dir: str, batch: int, input_len: int, output_len: int, seed: int, eager: bool = False, rounds: int = 2
+    model_dir: str,
+    batch: int,
+    input_len: int,
+    output_len: int,
+    seed: int,
+    eager: bool = False,
+    rounds: int = 2,
 ) -> dict:
-    import jax
     import numpy as np
 
     from jaxserve import LLM, SamplingParams
@@ -87,7 +92,10 @@ def measure(
     )
     engine = llm.llm_engine
     vocab = int(engine.config.model_config.get("vocab_size"))
-    prompts = [{"prompt_token_ids": p} for p in np.random.default_rng(seed).integers(3, vocab, size=(batch, input_len)).tolist()]
+    prompts = [
+        {"prompt_token_ids": p}
+        for p in np.random.default_rng(seed).integers(3, vocab, size=(batch, input_len)).tolist()
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
     tokens, rows = {}, {"sync": [], "async": []}
     for mode in rows:  # warm-up: every shape compiled before anything is timed

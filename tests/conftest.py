@@ -19,6 +19,38 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 jax.config.update("jax_enable_compilation_cache", False)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--scheduling",
+        choices=("async", "sync"),
+        default="async",
+        help="The scheduling of every engine built in this process that does not choose its own "
+        "(the default is async); `--scheduling sync` runs the same tests the other way.",
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def scheduling_default(request):
+    """With --scheduling sync, engines whose arguments leave async_scheduling unset run synchronously."""
+    if request.config.getoption("scheduling") == "async":
+        yield
+        return
+    import dataclasses
+
+    from jaxserve.args import EngineArgs
+
+    original = EngineArgs.create_engine_config
+
+    def synchronous_unless_asked(self):
+        if self.async_scheduling is None:
+            self = dataclasses.replace(self, async_scheduling=False)
+        return original(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EngineArgs, "create_engine_config", synchronous_unless_asked)
+        yield
+
+
 @pytest.fixture(scope="session", autouse=True)
 def step_cache():
     """One StepCache for every engine the tests build, so the same tiny model on the same shapes

@@ -197,7 +197,9 @@ class LLMEngine:
         if sched.is_empty:
             return None
         try:
-            return sched, self.runner.dispatch(sched, bitmask_filler(self.grammars, sched, self.scheduler.requests))
+            return sched, self.runner.dispatch(
+                sched, bitmask_filler(self.grammars, sched, self.scheduler.requests)
+            )
         except Exception as e:
             outputs += self._fail_step(sched, e)
             return None

@@ -195,7 +195,10 @@ class Scheduler:
 
         last_rows, self._sampled_rows = self._sampled_rows, {}
         sched = SchedulerOutput(
-            seqs=tuple(self._commit(req, num_new[req.request_id], row, last_rows) for row, req in enumerate(scheduled))
+            seqs=tuple(
+                self._commit(req, num_new[req.request_id], row, last_rows)
+                for row, req in enumerate(scheduled)
+            )
         )
         if scheduled:
             sampled = tuple(req for req, seq in zip(scheduled, sched.seqs) if seq.sampling is not None)
@@ -440,7 +443,12 @@ def _sampling_row(req: Request) -> SamplingRow:
     banned = _banned_token_ids(req)
     constrained = req.grammar is not None and req.grammar.active
     row = req.sampling_row
-    if row is not None and row.slot == req.slot and row.banned_token_ids == banned and row.constrained == constrained:
+    if (
+        row is not None
+        and row.slot == req.slot
+        and row.banned_token_ids == banned
+        and row.constrained == constrained
+    ):
         return row
     p = req.sampling_params
     row = req.sampling_row = SamplingRow(

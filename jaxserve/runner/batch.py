@@ -55,7 +55,9 @@ def prepare(
             f"step of {sched.num_tokens} tokens / {n} seqs exceeds bucket ({num_tokens}, {num_seqs})"
         )
     # one pass over the rows for their scalars: (new tokens, start, pages, feed row)
-    per_seq = np.array([(len(s.token_ids), s.start_pos, len(s.block_ids), s.feed_from_row) for s in seqs], np.int32)
+    per_seq = np.array(
+        [(len(s.token_ids), s.start_pos, len(s.block_ids), s.feed_from_row) for s in seqs], np.int32
+    )
     per_seq = per_seq.reshape(n, 4)
     q_lens, starts, num_pages, feed_from = per_seq.T
     cu = np.zeros(num_seqs + 1, np.int32)

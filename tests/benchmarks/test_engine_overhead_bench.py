@@ -46,5 +46,7 @@ def test_decode_steps_are_split_into_host_and_device_time_both_ways(tmp_path, ca
             m = r[mode]["ms_median"]
             assert 0 < m["wait"] < m["step"] and 0 < m["scheduler"] + m["prepare"] < m["host"]
             assert m["idle_gap"] == max(0.0, m["step"] - r["device_ms"])
-        assert r["async_over_sync"]["step"] == r["async"]["ms_median"]["step"] / r["sync"]["ms_median"]["step"]
+        assert (
+            r["async_over_sync"]["step"] == r["async"]["ms_median"]["step"] / r["sync"]["ms_median"]["step"]
+        )
     assert capsys.readouterr().out.count("ms/step") == 4

@@ -79,7 +79,9 @@ def test_overlapped_steps_end_every_request_as_the_synchronous_ones(
     assert len({tuple(out) for out, _, _ in finished[False]}) > 10  # the requests differ
 
 
-def test_a_pending_token_is_fed_from_its_row_of_the_step_before(make_scheduler, make_request, fake_model, run):
+def test_a_pending_token_is_fed_from_its_row_of_the_step_before(
+    make_scheduler, make_request, fake_model, run
+):
     sched = make_scheduler()
     a, b = make_request(5, max_tokens=4), make_request(3, max_tokens=4)
     sched.add_request(a)

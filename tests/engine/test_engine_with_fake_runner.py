@@ -41,14 +41,18 @@ class FakeRunner:
         if self.fail_next:
             self.fail_next -= 1
             raise RuntimeError("the device is on fire")
-        fed = [self.last_tokens[s.feed_from_row] if s.feed_from_row >= 0 else s.token_ids[-1] for s in sched.seqs]
+        fed = [
+            self.last_tokens[s.feed_from_row] if s.feed_from_row >= 0 else s.token_ids[-1] for s in sched.seqs
+        ]
         assert all(t >= 0 for t in fed)
         self.last_tokens = [(t + 1) % self.args.vocab_size for t in fed]
         rows = [i for i, s in enumerate(sched.seqs) if s.sampling is not None]
         tokens = np.array([self.last_tokens[i] for i in rows], np.int32)
         logprobs = np.array([-(1 + sched.seqs[i].sampling.seed % 5) / 10 for i in rows], np.float32)
         top = None
-        if any(sched.seqs[i].sampling.logprobs is not None for i in rows):  # the sampled token is the likeliest
+        if any(
+            sched.seqs[i].sampling.logprobs is not None for i in rows
+        ):  # the sampled token is the likeliest
             top = TopLogprobs(
                 ids=tokens[:, None], logprobs=logprobs[:, None], chosen_logprobs=logprobs,
                 chosen_ranks=np.ones(len(rows), np.int32),
@@ -168,8 +172,13 @@ def test_an_abort_frees_the_request_and_is_counted_with_the_next_step(engine):
         "dropped", {"prompt_token_ids": [9, 10]}, SamplingParams(max_tokens=50, ignore_eos=True)
     )
     engine.step()
+    engine.step()  # asynchronous: a step of both is in flight
+    bm = engine.scheduler.block_manager
+    held = len(bm.block_ids("dropped"))
+    assert held > 0
     engine.abort_request("dropped")
-    engine.step()
+    assert bm.block_ids("dropped") == [] and bm.num_free_blocks == bm.num_usable_blocks - len(bm.block_ids("kept"))
+    engine.step()  # the dropped request's row in flight is discarded, not reported
     assert [f.finish_reason for f in engine.iteration_stats.finished] == ["abort"]
     assert "dropped" not in _run(engine)
     assert _all_pages_free(engine)

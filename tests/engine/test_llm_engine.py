@@ -306,12 +306,20 @@ def test_asynchronous_scheduling_changes_no_output(tiny_llama_gqa, prompts, over
         GREEDY,
         seeded.clone(n=3, logprobs=3),
         seeded.clone(n=2, best_of=3, seed=5),
-        seeded.clone(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, min_tokens=4,
-                     logit_bias={7: 2.0}, prompt_logprobs=2),  # fmt: skip
+        seeded.clone(
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            repetition_penalty=1.2,
+            min_tokens=4,
+            logit_bias={7: 2.0},
+            prompt_logprobs=2,
+        ),  # fmt: skip
         GREEDY.clone(stop_token_ids=[free[5]], ignore_eos=False),
         GREEDY.clone(stop=[llm.get_tokenizer().decode(free[3:5])]),
         seeded.clone(bad_words=[llm.get_tokenizer().decode(free[:2])]),
-        GREEDY.clone(structured_outputs=StructuredOutputsParams(choice=["alpha", "beta gamma"]), max_tokens=8),
+        GREEDY.clone(
+            structured_outputs=StructuredOutputsParams(choice=["alpha", "beta gamma"]), max_tokens=8
+        ),
     ]
     requests = [{"prompt_token_ids": prompts[i % len(prompts)]} for i in range(len(params))]
     engine = llm.llm_engine

@@ -1,0 +1,108 @@
+"""Serving with synchronous against asynchronous scheduling, in one sitting.
+
+Two `jaxserve serve` processes on the same model and flags, one with `--no-async-scheduling` and
+one with `--async-scheduling`, both up for the whole run; `jaxserve bench serve` then measures
+each concurrency on one server and right after on the other (random prompts, EOS ignored, every
+request at once behind --max-concurrency), so a noisy machine weighs on both alike. Each
+benchmark's result JSON is kept, and a summary with the async/sync ratios of output tok/s and
+TTFT.
+
+    python benchmarks/serving_async.py [--concurrency 1 8 32] [--output-json FILE] [-- serve flags]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+from startup import free_port, jaxserve_command, wait_healthy
+
+MODES = {"sync": "--no-async-scheduling", "async": "--async-scheduling"}
+REPORTED = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="benchmarks/serving_async.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument(
+        "--prompts-per-slot", type=int, default=2, help="Requests per concurrency slot (at least 8 in all)."
+    )
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--result-dir", default=None, help="Where each benchmark's JSON goes; default: a temp dir.")
+    parser.add_argument("--output-json", default=None, help="The summary.")
+    parser.add_argument("--timeout", type=float, default=600.0, help="Seconds for a server to become healthy.")
+    parser.add_argument("serve_args", nargs="*", help="Flags for both servers (after --).")
+    return parser
+
+
+def start_server(mode: str, serve_args: list[str], log_dir: str) -> tuple[subprocess.Popen, str, object]:
+    port = free_port()
+    log = open(os.path.join(log_dir, f"server-{mode}.log"), "w")
+    argv = [*jaxserve_command(), "serve", "--port", str(port), MODES[mode], *serve_args]
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}", log
+
+
+def bench(base: str, concurrency: int, ns, result_dir: str, name: str) -> dict:
+    argv = [
+        *jaxserve_command(), "bench", "serve", "--backend", "openai", "--base-url", base,
+        "--dataset-name", "random", "--random-input-len", str(ns.input_len),
+        "--random-output-len", str(ns.output_len), "--ignore-eos", "--request-rate", "inf",
+        "--max-concurrency", str(concurrency), "--num-prompts", str(max(8, concurrency * ns.prompts_per_slot)),
+        "--save-result", "--result-dir", result_dir, "--result-filename", name, "--disable-tqdm",
+    ]  # fmt: skip
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(result_dir, name)) as fh:
+        return json.load(fh)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    log_dir = tempfile.mkdtemp(prefix="jaxserve-serving-async-")
+    result_dir = ns.result_dir or log_dir
+    servers = {mode: start_server(mode, ns.serve_args, log_dir) for mode in MODES}
+    try:
+        for mode, (proc, base, _) in servers.items():
+            wait_healthy(base + "/health", proc, time.perf_counter() + ns.timeout)
+        # a first small round on each: every step shape this load needs is compiled before timing
+        for mode, (_, base, _) in servers.items():
+            bench(base, max(ns.concurrency), ns, log_dir, f"warmup-{mode}.json")
+        rows = []
+        for c in ns.concurrency:
+            row = {"concurrency": c}
+            for mode, (_, base, _) in servers.items():
+                result = bench(base, c, ns, result_dir, f"serving_async_{mode}_c{c}.json")
+                row[mode] = {k: result[k] for k in REPORTED}
+            row["async_over_sync"] = {k: row["async"][k] / row["sync"][k] for k in REPORTED}
+            rows.append(row)
+            r = row["async_over_sync"]
+            print(
+                f"concurrency {c:3d}: output tok/s sync {row['sync']['output_throughput']:.1f}, async "
+                f"{row['async']['output_throughput']:.1f} ({r['output_throughput']:.2f}x); mean TTFT "
+                f"sync {row['sync']['mean_ttft_ms']:.0f} ms, async {row['async']['mean_ttft_ms']:.0f} ms "
+                f"({r['mean_ttft_ms']:.2f}x)"
+            )
+    finally:
+        for proc, _, log in servers.values():
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+    if ns.output_json:
+        with open(ns.output_json, "w") as fh:
+            config = {**vars(ns), "cpu_count": os.cpu_count()}
+            json.dump({"config": config, "results": rows}, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
