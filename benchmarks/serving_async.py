@@ -36,9 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--result-dir", default=None, help="Where each benchmark's JSON goes; default: a temp dir.")
+    parser.add_argument(
+        "--result-dir", default=None, help="Where each benchmark's JSON goes; default: a temp dir."
+    )
     parser.add_argument("--output-json", default=None, help="The summary.")
-    parser.add_argument("--timeout", type=float, default=600.0, help="Seconds for a server to become healthy.")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="Seconds for a server to become healthy."
+    )
     parser.add_argument("serve_args", nargs="*", help="Flags for both servers (after --).")
     return parser
 
@@ -69,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result_dir = ns.result_dir or log_dir
     servers = {mode: start_server(mode, ns.serve_args, log_dir) for mode in MODES}
     try:
-        for mode, (proc, base, _) in servers.items():
+        for proc, base, _ in servers.values():
             wait_healthy(base + "/health", proc, time.perf_counter() + ns.timeout)
         # a first small round on each: every step shape this load needs is compiled before timing
         for mode, (_, base, _) in servers.items():

@@ -177,7 +177,8 @@ def test_an_abort_frees_the_request_and_is_counted_with_the_next_step(engine):
     held = len(bm.block_ids("dropped"))
     assert held > 0
     engine.abort_request("dropped")
-    assert bm.block_ids("dropped") == [] and bm.num_free_blocks == bm.num_usable_blocks - len(bm.block_ids("kept"))
+    assert bm.block_ids("dropped") == []
+    assert bm.num_free_blocks == bm.num_usable_blocks - len(bm.block_ids("kept"))
     engine.step()  # the dropped request's row in flight is discarded, not reported
     assert [f.finish_reason for f in engine.iteration_stats.finished] == ["abort"]
     assert "dropped" not in _run(engine)
