@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 
-from startup import free_port, jaxserve_command, wait_healthy
+from startup import free_port, jaxserve_command, stop_server, wait_healthy
 
 MODES = {"sync": "--no-async-scheduling", "async": "--async-scheduling"}
 REPORTED = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
@@ -95,11 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     finally:
         for proc, _, log in servers.values():
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
             log.close()
     if ns.output_json:
         with open(ns.output_json, "w") as fh:

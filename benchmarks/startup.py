@@ -104,6 +104,16 @@ def wait_healthy(url: str, proc: subprocess.Popen, deadline: float) -> None:
     raise TimeoutError("/health did not answer 200 in time")
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT (a clean shutdown), then a kill if it has not exited within a minute."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def first_token(base: str, timeout: float) -> tuple[float, float]:
     """Stream a short greedy chat completion to its end; (perf_counter() when the first
     content arrived, seconds from sending to it)."""
@@ -175,12 +185,7 @@ def run_server(
             first_at, ttft = first_token(base, timeout)
             token = first_at - start
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_server(proc)
     with open(log_path) as f:
         text = f.read()
     return {
