@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import jax
@@ -65,9 +66,7 @@ def prompt_logits(runner: ModelRunner, token_ids: list[int]) -> np.ndarray:
     )
     indices = np.zeros(padded, np.int32)
     indices[:n] = np.arange(n)
-    inputs = batch_lib.BatchInputs(
-        inputs.input_ids, inputs.positions, inputs.meta, indices, inputs.sampling, inputs.prompt_targets
-    )
+    inputs = dataclasses.replace(inputs, logits_indices=indices)
     logits = _forward(runner.graphdef, runner.state, runner.kv_pool, jax.device_put(inputs))
     return np.asarray(logits)[:n]
 

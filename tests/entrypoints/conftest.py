@@ -35,15 +35,21 @@ def llm_engine(tiny_llama_gqa) -> LLMEngine:
 @pytest.fixture(scope="session")
 def reference(llm_engine) -> dict[str, tuple[str, list[int]]]:
     """Greedy (text, token ids) of every prompt in PROMPTS, from the engine driven offline
-    before any server thread owns it."""
+    before any server thread owns it, with the other scheduling than the server's (which is
+    the engine's own): every served-against-offline comparison checks the two agree."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     for i, prompt in enumerate(PROMPTS):
         llm_engine.add_request(f"ref-{i}", prompt, params)
     done = {}
-    while llm_engine.has_unfinished_requests():
-        for out in llm_engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    serving = llm_engine.async_scheduling
+    llm_engine.async_scheduling = not serving
+    try:
+        while llm_engine.has_unfinished_requests():
+            for out in llm_engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+    finally:
+        llm_engine.async_scheduling = serving
     return {
         p: (done[f"ref-{i}"].outputs[0].text, done[f"ref-{i}"].outputs[0].token_ids)
         for i, p in enumerate(PROMPTS)

@@ -103,6 +103,8 @@ async def test_sigterm_drains_running_requests_and_exits_0(tiny_llama_gqa, tmp_p
             await asyncio.wait_for(started.wait(), 60)
             proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
+            running = [s for s in streams if not s.done()]
+            assert running  # the signal came mid-load; each of these must still end well
             refused = False  # new connections stop being taken soon after the signal ...
             while not refused and time.monotonic() - signalled < 10:
                 try:
@@ -112,7 +114,6 @@ async def test_sigterm_drains_running_requests_and_exits_0(tiny_llama_gqa, tmp_p
                 except aiohttp.ClientConnectionError:
                     refused = True
             assert refused
-            assert proc.poll() is None and not all(s.done() for s in streams)  # ... while it drains
             results = await asyncio.wait_for(asyncio.gather(*streams), 60)
         assert all(events[-1]["choices"][0]["finish_reason"] == "length" for events in results)
         assert proc.wait(timeout=60) == 0
