@@ -113,6 +113,7 @@ FLAGS = [
     ("--max-long-partial-prefills", "B", 1, "2", 2),
     ("--long-prefill-token-threshold", "B", 0, "128", 128),
     ("--scheduling-policy", "A", "fcfs", "priority", "priority"),
+    ("--async-scheduling", "A", None, False, False),  # unset: on
     ("--preemption-mode", "B", "recompute", "swap", "swap"),  # recompute works; swap is tier B
     ("--scheduler-delay-factor", "B", 0.0, "0.5", 0.5),
     ("--num-lookahead-slots", "C", 0, "2", 2),
