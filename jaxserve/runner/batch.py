@@ -5,9 +5,9 @@ Layout: the new tokens of every scheduled sequence back to back, then padding up
 token bucket; per-sequence arrays padded up to the sequence bucket. Padding tokens write
 their KV to a slot past the pool (dropped) and padding sequences have no tokens.
 
-On the way to the device the ~20 arrays travel packed into two (PackedBatch: every integer array
-in one int32 buffer, every float array in one float32 buffer), which the step unpacks inside its
-program: two transfers a step instead of one per array, a millisecond less host work per step.
+On the way to the device the ~20 arrays travel packed into one int32 buffer (PackedBatch: their
+32-bit words, floats included), which the step unpacks inside its program: one transfer a step
+instead of one per array, more than a millisecond less host work per step at 256 rows.
 """
 
 from __future__ import annotations
@@ -144,36 +144,33 @@ def prepare(
 
 @jax.tree_util.register_pytree_node_class
 class PackedBatch:
-    """A BatchInputs as two flat buffers (int32, float32) and, static, how to cut them apart."""
+    """A BatchInputs as one flat int32 buffer (every array's 32-bit words, floats included) and,
+    static, how to cut it apart."""
 
-    def __init__(self, ints, floats, layout: tuple):
-        self.ints, self.floats, self.layout = ints, floats, layout
+    def __init__(self, words, layout: tuple):
+        self.words, self.layout = words, layout
 
     @classmethod
     def pack(cls, inputs: BatchInputs) -> PackedBatch:
         leaves, treedef = jax.tree.flatten(inputs)
-        ints = [x.view(np.int32).ravel() for x in leaves if x.dtype != np.float32]
-        floats = [x.ravel() for x in leaves if x.dtype == np.float32]
         layout = (treedef, tuple((x.dtype.name, x.shape) for x in leaves))
-        return cls(np.concatenate(ints), np.concatenate(floats), layout)
+        return cls(np.concatenate([x.view(np.int32).ravel() for x in leaves]), layout)
 
     def unpack(self) -> BatchInputs:
-        """The BatchInputs again (inside the step: slices of the two buffers)."""
+        """The BatchInputs again (inside the step: slices of the buffer)."""
         treedef, specs = self.layout
-        leaves, at = [], {"float32": 0, "int": 0}
+        leaves, at = [], 0
         for dtype, shape in specs:
-            kind = "float32" if dtype == "float32" else "int"
-            buf = self.floats if kind == "float32" else self.ints
             size = int(np.prod(shape))
-            x = buf[at[kind] : at[kind] + size].reshape(shape)
-            at[kind] += size
-            if dtype == "uint32":
-                x = jax.lax.bitcast_convert_type(x, jnp.uint32)
+            x = self.words[at : at + size].reshape(shape)
+            at += size
+            if dtype != "int32":
+                x = jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
             leaves.append(x)
         return jax.tree.unflatten(treedef, leaves)
 
     def tree_flatten(self):
-        return (self.ints, self.floats), self.layout
+        return (self.words,), self.layout
 
     @classmethod
     def tree_unflatten(cls, layout, children):
