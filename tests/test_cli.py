@@ -4,18 +4,15 @@ under the command line, chat keeps its history."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
-import os
 import re
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 from jaxserve.cli import build_parser, main
 from jaxserve.entrypoints.openai.cli_args import engine_args_from_namespace, parse_args
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ENGINE_FLAGS = [
     "--max-num-batched-tokens", "64",
@@ -231,19 +228,10 @@ def test_help_lists_engine_flags_with_defaults(monkeypatch, capsys):
     assert "--compilation-config COMPILATION_CONFIG, -O COMPILATION_CONFIG" in out
 
 
-def _load_throughput():
-    spec = importlib.util.spec_from_file_location(
-        "bench_throughput", os.path.join(ROOT, "benchmarks", "throughput.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_throughput_benchmark_writes_json(model_dir, tmp_path, capsys):
     out_json = tmp_path / "result.json"
     argv = ["--model", model_dir, "--num-prompts", "4", "--input-len", "8", "--output-len", "4"]
-    assert _load_throughput().main([*argv, "--output-json", str(out_json), *ENGINE_FLAGS]) == 0
+    assert load_benchmark("throughput").main([*argv, "--output-json", str(out_json), *ENGINE_FLAGS]) == 0
     result = json.loads(out_json.read_text())
     assert set(result) == {"config", "jaxserve", "transformers", "ratio"}
     for side in ("jaxserve", "transformers"):
@@ -267,7 +255,7 @@ def test_throughput_benchmark_times_sampling_costs(model_dir, tmp_path, capsys):
     out_json = tmp_path / "costs.json"
     argv = ["--model", model_dir, "--num-prompts", "2", "--input-len", "8", "--output-len", "4"]
     argv += ["--sampling-costs", "--no-hf-baseline", "--output-json", str(out_json), *ENGINE_FLAGS]
-    assert _load_throughput().main(argv) == 0
+    assert load_benchmark("throughput").main(argv) == 0
     costs = json.loads(out_json.read_text())["sampling_costs"]
     assert set(costs) == {"plain", "penalties", "logprobs5"}
     assert costs["plain"]["ratio_to_plain"] == 1.0

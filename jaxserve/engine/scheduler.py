@@ -334,7 +334,8 @@ class Scheduler:
         entry = self._unreported.pop(id(scheduler_output), None)
         scheduled = {r.request_id: r for r in entry[1]} if entry is not None else self.requests
         sampled = [scheduled.get(req_id) for req_id in runner_output.req_ids]
-        starts = {s.request_id: s.start_pos for s in scheduler_output.seqs}
+        if runner_output.prompt_logprobs:  # only then are the rows' start positions needed
+            starts = {s.request_id: s.start_pos for s in scheduler_output.seqs}
         for req_id, ranked in runner_output.prompt_logprobs.items():
             req = self.requests.get(req_id)
             if req is not None:

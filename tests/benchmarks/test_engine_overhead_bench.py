@@ -3,20 +3,9 @@ and the parts it reports fit inside the step they were taken from."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location(
-        "bench_overhead", os.path.join(ROOT, "benchmarks", "engine_overhead.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmark_scripts import load_benchmark
 
 
 def test_decode_steps_are_split_into_host_and_device_time_both_ways(tmp_path, capsys):
@@ -35,7 +24,9 @@ def test_decode_steps_are_split_into_host_and_device_time_both_ways(tmp_path, ca
         "--rounds",
         "1",
     ]
-    assert _load().main([*argv, "--output-json", str(out)]) == 0  # (it checks that the outputs agree)
+    assert (
+        load_benchmark("engine_overhead").main([*argv, "--output-json", str(out)]) == 0
+    )  # (it checks that the outputs agree)
     report = json.loads(out.read_text())
     assert [r["batch"] for r in report["results"]] == [1, 4]
     for r in report["results"]:

@@ -3,29 +3,22 @@ numbers follow from the shapes, and a kernel the platform lacks exits 2 in one l
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmark_scripts import load_benchmark
+
 TINY = ["--num-seqs", "3", "--context-len", "40", "--prefill-len", "9", "--num-prefills", "1"]
 TINY += ["--num-q-heads", "4", "--num-kv-heads", "2", "--head-dim", "64", "--page-size", "16"]
 TINY += ["--dtype", "float32", "--iters", "2"]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location(
-        "bench_kernels", os.path.join(ROOT, "benchmarks", "kernels.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_report_counts_the_kv_every_sequence_reads(tmp_path, capsys):
     out = tmp_path / "k.json"
     assert (
-        _load().main(["--backend", "reference", *TINY, "--peak-gbps", "100", "--output-json", str(out)]) == 0
+        load_benchmark("kernels").main(
+            ["--backend", "reference", *TINY, "--peak-gbps", "100", "--output-json", str(out)]
+        )
+        == 0
     )
     report = json.loads(out.read_text())
     per_token = 2 * 2 * 64 * 4  # k and v, 2 kv heads, head_dim 64, float32
@@ -40,5 +33,5 @@ def test_report_counts_the_kv_every_sequence_reads(tmp_path, capsys):
 
 
 def test_a_kernel_the_platform_lacks_exits_2(capsys):
-    assert _load().main(["--backend", "pallas", *TINY]) == 2
+    assert load_benchmark("kernels").main(["--backend", "pallas", *TINY]) == 2
     assert "needs a TPU or GPU" in capsys.readouterr().err
