@@ -46,6 +46,24 @@ class SamplingRow:
     logprobs: int | None = None  # the request's `logprobs`: top-k wanted (and the sampled token's rank)
     constrained: bool = False  # structured outputs: the runner applies the row's grammar mask
 
+    # The row's numbers in the order of the runner's sampling arrays, made once per row (a row
+    # serves a request for many steps) rather than every step.
+    @functools.cached_property
+    def float_params(self) -> tuple[float, ...]:
+        return (
+            self.temperature,
+            self.top_p,
+            self.min_p,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+        )
+
+    @functools.cached_property
+    def int_params(self) -> tuple[int, ...]:
+        """top_k, the seed's low 32 bits, -output_start, slot."""
+        return (self.top_k, self.seed & 0xFFFFFFFF, -self.output_start, self.slot)
+
 
 @dataclass(frozen=True)
 class LogitsSpec:

@@ -123,7 +123,7 @@ class BlockManager:
         # removal from the middle, which a cache hit on a free page needs.
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self._tables: dict[str, list[int]] = {}
-        self._frozen: dict[str, tuple[int, ...]] = {}  # block_table's last answer per request
+        self._frozen: dict[str, tuple[int, ...]] = {}  # each table as a tuple (block_table)
         # Chained hashes of the request's full pages registered so far; the next page's
         # hash chains from the last one.
         self._req_hashes: dict[str, list[BlockHash]] = {}
@@ -152,13 +152,8 @@ class BlockManager:
         return list(self._tables.get(req_id, ()))
 
     def block_table(self, req_id: str) -> tuple[int, ...]:
-        """The request's page table as a tuple, copied again only when it has grown (tables only
-        grow while a request holds them)."""
-        table = self._tables.get(req_id, ())
-        frozen = self._frozen.get(req_id)
-        if frozen is None or len(frozen) != len(table):
-            frozen = self._frozen[req_id] = tuple(table)
-        return frozen
+        """The request's page table as a tuple, made again only when it grows (allocate)."""
+        return self._frozen.get(req_id, ())
 
     def num_hashed_pages(self, req_id: str) -> int:
         """The leading pages of the request's table whose hash is recorded (cached or cache hits)."""
@@ -224,6 +219,7 @@ class BlockManager:
             self._evict(block)
             self._ref_counts[block] = 1
             table.append(block)
+        self._frozen[req_id] = tuple(table)
         return True
 
     def _evict(self, block: int) -> None:

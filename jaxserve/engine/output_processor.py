@@ -69,9 +69,12 @@ class OutputProcessor:
             entry = self._children.get(req.request_id)
             if entry is None:
                 continue
-            self._record_token(stats, entry[0], req, now)
-            changed[entry[0].request_id] = entry[0]
-        outputs = [self.make_output(p) for p in changed.values() if p.finished or p.reports_progress]
+            parent = entry[0]
+            self._record_token(stats, parent, req, now)
+            # a parent can only have finished if the child that got a token has
+            if parent.reports_progress or req.is_finished:
+                changed[parent.request_id] = parent
+        outputs = [self.make_output(p) for p in changed.values() if p.reports_progress or p.finished]
         for out in outputs:
             if out.finished:
                 self.record_finished(stats, self.pop(out.request_id), now)

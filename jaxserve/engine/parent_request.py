@@ -8,6 +8,7 @@ turns tokens into outputs: a detokenizer per child and the logprob dicts built s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.request import Request
@@ -31,7 +32,7 @@ class ParentRequest:
     n: int = 1  # samples to return
     best_of: int = 1  # samples to run (the n of highest cumulative logprob are returned)
 
-    @property
+    @cached_property  # asked every step; fixed once the children exist
     def reports_progress(self) -> bool:
         """Outputs while it runs: cumulative outputs asked for, and no best-of-n choice pending."""
         params = self.children[0].sampling_params

@@ -24,7 +24,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        return self._value_ in _FINISHED  # the strings: an enum member hashes in Python
 
     @property
     def finish_reason(self) -> str | None:
@@ -32,7 +32,7 @@ class RequestStatus(enum.Enum):
         return self.value if self.finished else None
 
 
-_FINISHED = frozenset(s for s in RequestStatus if s.value in ("stop", "length", "abort", "error"))
+_FINISHED = frozenset(("stop", "length", "abort", "error"))
 
 
 class Request:
@@ -54,12 +54,19 @@ class Request:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)  # (the prompt never changes)
         self.sampling_params = sampling_params
         self.seed = seed  # effective sampling seed: the request's own, or one the engine drew
         self.eos_token_id = eos_token_id
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.max_tokens = max_tokens  # resolved: the request's max_tokens capped by model length
+        # Output tokens at which it ends on length (the scheduler lowers it to fit max_model_len)
+        # and the tokens that may stop it: what the scheduler checks first for every new token.
+        self.output_limit = max_tokens
+        self.stop_ids = frozenset(sampling_params.stop_token_ids) | (
+            {eos_token_id} if eos_token_id is not None and not sampling_params.ignore_eos else set()
+        )
         self.output_token_ids: list[int] = []
         self.cumulative_logprob = 0.0
         self.num_computed_tokens = 0
@@ -68,7 +75,7 @@ class Request:
         self.num_output_placeholders = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache on first schedule
         self.num_preemptions = 0
-        self.status = RequestStatus.WAITING
+        self.status = RequestStatus.WAITING  # sets is_finished too
         self.stop_reason: int | str | None = None
         self.first_token_time: float | None = None
         # Logit processing on the device: the slot's fixed contents (None: needs no slot),
@@ -85,16 +92,12 @@ class Request:
         self.prompt_logprobs: list[TopLogprobs] = []  # row k: the logprob of prompt token k + 1
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -110,8 +113,13 @@ class Request:
         return last == self.eos_token_id or last in self.sampling_params.stop_token_ids
 
     @property
-    def is_finished(self) -> bool:
-        return self.status.finished
+    def status(self) -> RequestStatus:
+        return self._status
+
+    @status.setter
+    def status(self, status: RequestStatus) -> None:
+        self._status = status
+        self.is_finished = status.finished  # read for every row of every step: a plain attribute
 
     def __repr__(self) -> str:
         return (

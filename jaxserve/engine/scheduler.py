@@ -62,6 +62,10 @@ class Scheduler:
         self._unreported: dict[int, tuple[SchedulerOutput, tuple[Request, ...]]] = {}
         self._sampled_rows: dict[str, int] = {}  # request id -> its sampled row in the last step
         self.num_preemptions = 0
+        # long_prefill_token_threshold, where it applies (chunked prefill on); 0: no cap
+        self._chunk_cap = (
+            scheduler_config.long_prefill_token_threshold if scheduler_config.enable_chunked_prefill else 0
+        )
         # Device slots for per-request logit processing (penalties, bias): one per running
         # request at most, so max_num_seqs of them never run out.
         self._free_slots = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
@@ -106,6 +110,7 @@ class Scheduler:
                 f"max_num_batched_tokens={self.config.max_num_batched_tokens}, and chunked prefill is off."
             )
         request.status = RequestStatus.WAITING
+        request.output_limit = min(request.max_tokens, self.config.max_model_len - request.num_prompt_tokens)
         self.requests[request.request_id] = request
         self._push_waiting(request)
 
@@ -196,8 +201,10 @@ class Scheduler:
         last_rows, self._sampled_rows = self._sampled_rows, {}
         sched = SchedulerOutput(
             seqs=tuple(
-                self._commit(req, num_new[req.request_id], row, last_rows)
-                for row, req in enumerate(scheduled)
+                [
+                    self._commit(req, num_new[req.request_id], row, last_rows)
+                    for row, req in enumerate(scheduled)
+                ]
             )
         )
         if scheduled:
@@ -228,21 +235,18 @@ class Scheduler:
 
     def _chunk_size(self, req: Request, num_computed: int, budget: int) -> int:
         n = self._target_tokens(req) - num_computed
-        threshold = self.config.long_prefill_token_threshold
-        if threshold > 0 and self.config.enable_chunked_prefill:
-            n = min(n, threshold)  # leave budget for other prefills in the same step
+        if n > 1 and self._chunk_cap:
+            n = min(n, self._chunk_cap)  # leave budget for other prefills in the same step
         return min(n, budget)
 
     def _target_tokens(self, req: Request) -> int:
         """The tokens whose KV the request needs before its next sample: all it has, and the one a
         step in flight is sampling for it, unless that token will end it on length anyway."""
+        known = req.num_prompt_tokens + len(req.output_token_ids)
         pending = req.num_output_placeholders
-        if not pending:
-            return req.num_tokens
-        total = req.num_tokens + pending
-        if total - req.num_prompt_tokens >= req.max_tokens or total >= self.config.max_model_len:
-            return req.num_tokens
-        return total
+        if pending and known + pending - req.num_prompt_tokens < req.output_limit:
+            return known + pending
+        return known
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -274,15 +278,14 @@ class Scheduler:
         start = req.num_computed_tokens
         end = start + n
         num_prompt = req.num_prompt_tokens
-        known = req.num_tokens
+        outputs = req.output_token_ids
+        known = num_prompt + len(outputs)
         if end <= num_prompt:
             token_ids = tuple(req.prompt_token_ids[start:end])
         elif start >= num_prompt:  # a decode
-            token_ids = tuple(req.output_token_ids[start - num_prompt : end - num_prompt])
+            token_ids = tuple(outputs[start - num_prompt : end - num_prompt])
         else:  # avoid building prompt + output
-            token_ids = tuple(req.prompt_token_ids[start:]) + tuple(
-                req.output_token_ids[max(start - num_prompt, 0) : end - num_prompt]
-            )
+            token_ids = tuple(req.prompt_token_ids[start:]) + tuple(outputs[: end - num_prompt])
         feed_from_row = -1
         if end > known:  # the last token is the one the step in flight samples
             token_ids += (PLACEHOLDER_TOKEN,)
@@ -306,15 +309,16 @@ class Scheduler:
             sampling = _sampling_row(req)
             req.num_output_placeholders += 1
             self._sampled_rows[req.request_id] = row
+        # (positional: the fields in their order, for speed)
         return ScheduledSeq(
-            request_id=req.request_id,
-            token_ids=token_ids,
-            start_pos=start,
-            block_ids=bm.block_table(req.request_id),
-            sampling=sampling,
-            slot_init=slot_init,
-            prompt_logprob_targets=targets,
-            feed_from_row=feed_from_row,
+            req.request_id,
+            token_ids,
+            start,
+            bm.block_table(req.request_id),
+            sampling,
+            slot_init,
+            targets,
+            feed_from_row,
         )
 
     def _free_slot(self, req: Request) -> None:
@@ -357,9 +361,14 @@ class Scheduler:
                 req.output_logprobs.append(top.take(row))
             if req.first_token_time is None:
                 req.first_token_time = now
-            status = self._check_stop(req, token)
-            if status is not None:
-                self._finish(req, status)
+            if (
+                token in req.stop_ids
+                or req.grammar is not None
+                or len(req.output_token_ids) >= req.output_limit
+            ):
+                status = self._check_stop(req, token)  # (no other token can end the request)
+                if status is not None:
+                    self._finish(req, status)
             updated.append(req)
         return updated
 
@@ -441,9 +450,17 @@ def _priority_key(req: Request) -> tuple[int, float]:
 def _sampling_row(req: Request) -> SamplingRow:
     """The request's row, built again only when its slot, banned tokens or grammar's activity
     changed since its last step."""
+    row = req.sampling_row
+    if (
+        row is not None
+        and row.slot == req.slot
+        and req.grammar is None
+        and not req.bad_words
+        and not req.sampling_params.min_tokens
+    ):
+        return row  # the common case: nothing is ever banned and nothing constrains it
     banned = _banned_token_ids(req)
     constrained = req.grammar is not None and req.grammar.active
-    row = req.sampling_row
     if (
         row is not None
         and row.slot == req.slot
