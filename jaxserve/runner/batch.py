@@ -24,7 +24,6 @@ from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.layers.sampler import SamplingArrays
 from jaxserve.scheduler_output import MAX_BANNED_TOKENS, SchedulerOutput
 
-
 _TOKEN_IDS, _START_POS, _BLOCK_IDS, _SAMPLING, _PROMPT_TARGETS, _FEED_FROM_ROW = (
     attrgetter(f)
     for f in ("token_ids", "start_pos", "block_ids", "sampling", "prompt_logprob_targets", "feed_from_row")
@@ -107,7 +106,9 @@ def prepare(
         rows = samplings if len(sampled) == n else [samplings[i] for i in sampled]
         k = len(rows)
         at = slice(0, n) if k == n else sampled
-        floats[at] = np.fromiter(chain.from_iterable(map(_FLOAT_PARAMS, rows)), np.float32, 6 * k).reshape(k, 6)
+        floats[at] = np.fromiter(chain.from_iterable(map(_FLOAT_PARAMS, rows)), np.float32, 6 * k).reshape(
+            k, 6
+        )
         ints[at] = np.fromiter(chain.from_iterable(map(_INT_PARAMS, rows)), np.int64, 4 * k).reshape(k, 4)
         ints[at, 2] += kv_lens[at]  # the sampled token's position less the prompt's length
         for i, r in zip(sampled, rows):
