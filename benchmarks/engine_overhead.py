@@ -12,7 +12,12 @@ rows are all single-token decodes) is timed from the outside by wrapping the eng
 - host: step - wait, the host's own work per step (scheduling, preparing, dispatching, updating
   requests, building outputs);
 - device: the same decode step's program replayed back to back with nothing else running;
-- idle gap: step - device, the time per step the device is not running a step.
+- idle gap: step - device, the time per step the device is not running a step;
+- host alone: the synchronous loop once more with the decode step's program replaced by one that
+  hands back a real step's outputs at once. Everything else runs as always (scheduling, preparing,
+  the transfer, updating, outputs), without XLA's computation beside it: on a machine with two
+  cores the step's threads and the host's Python share them (and the caches), which inflates the
+  host's figures above; an accelerator's host does not share its cores with the step.
 
     python benchmarks/engine_overhead.py [--batch-sizes 1 64 256] [--rounds 2] [--output-json FILE]
 """
@@ -110,9 +115,12 @@ def measure(
     assert tokens["sync"] == tokens["async"], "asynchronous scheduling changed the outputs"
     device = _device_time(engine, decode_step[-1]) if decode_step else float("nan")
     result = {"batch": batch, "device_ms": 1000 * device}
+    if decode_step:
+        engine.async_scheduling = False
+        rows["host_alone"] = _host_alone(llm, prompts, params, batch, decode_step[-1], rounds)
     for mode, found in rows.items():
         summary = {k: 1000 * statistics.median(r[k] for r in found) for k in found[0]} if found else {}
-        if summary:
+        if summary and mode != "host_alone":
             summary["idle_gap"] = max(0.0, summary["step"] - 1000 * device)
         result[mode] = {"decode_steps_measured": len(found), "ms_median": summary}
     return result
@@ -172,6 +180,39 @@ def _timed_run(llm, prompts, params, batch: int, decode_step: list) -> tuple[lis
             }
         )
     return rows, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _host_alone(llm, prompts, params, batch: int, sched, rounds: int) -> list[dict]:
+    """The synchronous loop's decode steps with the decode program replaced by a stand-in that
+    returns a real run's outputs without computing anything."""
+    from jaxserve.runner.step import StepVariant
+
+    runner = llm.llm_engine.runner
+    decode_bucket = runner.ready_buckets.pick(sched.num_tokens, len(sched.seqs))
+    real_compile = runner._compile
+    kept = []
+
+    def compile_with_stand_in(bucket, variant=StepVariant()):
+        program = real_compile(bucket, variant)
+        if bucket != decode_bucket or variant != StepVariant():
+            return program
+
+        def stand_in(state, pool, processors, last, inputs):
+            if not kept:  # the first call runs, the others hand back its tokens and results
+                kept.append(program(state, pool, processors, last, inputs))
+                return kept[0]
+            return pool, processors, kept[0][2], kept[0][3]
+
+        return stand_in
+
+    runner._compile = compile_with_stand_in
+    try:
+        rows = []
+        for _ in range(rounds):
+            rows += _timed_run(llm, prompts, params, batch, [])[0]
+        return rows
+    finally:
+        runner._compile = real_compile
 
 
 def _device_time(engine, sched, repeats: int = 30) -> float:
@@ -234,6 +275,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{m['scheduler']:.2f}, prepare {m['prepare']:.2f}), wait {m['wait']:.2f}, device "
                     f"{r['device_ms']:.2f}, idle gap {m['idle_gap']:.2f} [{r[mode]['decode_steps_measured']} steps]"
                 )
+            alone = r["host_alone"]["ms_median"]
+            print(
+                f"batch {batch:4d} host alone: {alone['step']:.2f} ms/step (scheduler {alone['scheduler']:.2f}, "
+                f"prepare {alone['prepare']:.2f}) [{r['host_alone']['decode_steps_measured']} steps]"
+            )
             sync, overlapped = r["sync"]["ms_median"], r["async"]["ms_median"]
             r["async_over_sync"] = {k: overlapped[k] / sync[k] if sync[k] else None for k in ("step", "host")}
             print(f"batch {batch:4d}: async/sync step time {r['async_over_sync']['step']:.2f}x")

@@ -60,6 +60,11 @@ class SamplingRow:
         )
 
     @functools.cached_property
+    def extras(self) -> tuple[bool, bool, bool]:
+        """What the row needs of its step: a processor slot, top logprobs, a token mask."""
+        return (self.slot >= 0, self.logprobs is not None, self.constrained)
+
+    @functools.cached_property
     def int_params(self) -> tuple[int, ...]:
         """top_k, the seed's low 32 bits, -output_start, slot."""
         return (self.top_k, self.seed & 0xFFFFFFFF, -self.output_start, self.slot)

@@ -199,17 +199,17 @@ class Scheduler:
             budget -= n
 
         last_rows, self._sampled_rows = self._sampled_rows, {}
+        sampled: list[Request] = []  # _commit adds the requests whose row samples, in row order
         sched = SchedulerOutput(
             seqs=tuple(
                 [
-                    self._commit(req, num_new[req.request_id], row, last_rows)
+                    self._commit(req, num_new[req.request_id], row, last_rows, sampled)
                     for row, req in enumerate(scheduled)
                 ]
             )
         )
         if scheduled:
-            sampled = tuple(req for req, seq in zip(scheduled, sched.seqs) if seq.sampling is not None)
-            self._unreported[id(sched)] = (sched, sampled)
+            self._unreported[id(sched)] = (sched, tuple(sampled))
         return sched
 
     def needs_tokens_before_next(self, sched: SchedulerOutput) -> bool:
@@ -267,9 +267,12 @@ class Scheduler:
             self.num_preemptions += 1
         self._push_waiting(req, front=True)
 
-    def _commit(self, req: Request, n: int, row: int, last_rows: dict[str, int]) -> ScheduledSeq:
+    def _commit(
+        self, req: Request, n: int, row: int, last_rows: dict[str, int], sampled: list[Request]
+    ) -> ScheduledSeq:
         """Freeze the request's row (row `row` of the step) and advance num_computed_tokens.
-        last_rows: the sampled rows of the step before, where a pending token comes from.
+        last_rows: the sampled rows of the step before, where a pending token comes from;
+        sampled: the step's sampling requests so far, which a sampling row joins.
 
         Pages are registered in the prefix cache here, after every preemption decision of
         the step, so that no page whose KV this step will not write is ever cached; a page
@@ -309,6 +312,7 @@ class Scheduler:
             sampling = _sampling_row(req)
             req.num_output_placeholders += 1
             self._sampled_rows[req.request_id] = row
+            sampled.append(req)
         # (positional: the fields in their order, for speed)
         return ScheduledSeq(
             req.request_id,
@@ -336,8 +340,11 @@ class Scheduler:
         now = time.monotonic()
         # the requests as they were scheduled: one aborted since then is not a new one of the same id
         entry = self._unreported.pop(id(scheduler_output), None)
-        scheduled = {r.request_id: r for r in entry[1]} if entry is not None else self.requests
-        sampled = [scheduled.get(req_id) for req_id in runner_output.req_ids]
+        if entry is not None and len(entry[1]) == len(runner_output.req_ids):
+            sampled = entry[1]  # its sampled requests, in the order of the output's rows
+        else:  # (a runner output with fewer rows than the step sampled)
+            by_id = self.requests if entry is None else {r.request_id: r for r in entry[1]}
+            sampled = [by_id.get(req_id) for req_id in runner_output.req_ids]
         if runner_output.prompt_logprobs:  # only then are the rows' start positions needed
             starts = {s.request_id: s.start_pos for s in scheduler_output.seqs}
         for req_id, ranked in runner_output.prompt_logprobs.items():

@@ -17,7 +17,6 @@ from itertools import chain
 from operator import attrgetter
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.layers.attention import AttentionMetadata
@@ -165,7 +164,7 @@ class PackedBatch:
     @classmethod
     def pack(cls, inputs: BatchInputs) -> PackedBatch:
         leaves, treedef = jax.tree.flatten(inputs)
-        layout = (treedef, tuple((x.dtype.name, x.shape) for x in leaves))
+        layout = (treedef, tuple((x.dtype, x.shape) for x in leaves))
         return cls(np.concatenate([x.view(np.int32).ravel() for x in leaves]), layout)
 
     def unpack(self) -> BatchInputs:
@@ -176,8 +175,8 @@ class PackedBatch:
             size = int(np.prod(shape))
             x = self.words[at : at + size].reshape(shape)
             at += size
-            if dtype != "int32":
-                x = jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
+            if dtype != np.int32:
+                x = jax.lax.bitcast_convert_type(x, dtype)
             leaves.append(x)
         return jax.tree.unflatten(treedef, leaves)
 

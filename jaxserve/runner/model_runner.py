@@ -443,6 +443,8 @@ class ModelRunner:
         """The host copy's rows that mean something: the sampled rows of the scheduled sequences
         (not the padding), and each prompt's rows of prompt logprobs."""
         rows = [i for i, s in enumerate(sched.seqs) if s.sampling is not None]
+        if len(rows) == len(sched.seqs):
+            rows = slice(0, len(rows))  # every row samples (decodes): views, not copies
         prompt = {}
         if result.prompt is not None:
             cu = inputs.meta.cu_q_lens
@@ -452,7 +454,7 @@ class ModelRunner:
                         slice(cu[i], cu[i] + len(s.prompt_logprob_targets))
                     )
         return ModelRunnerOutput(
-            req_ids=tuple(sched.seqs[i].request_id for i in rows),
+            req_ids=tuple(s.request_id for s in sched.seqs if s.sampling is not None),
             sampled_token_ids=result.tokens[rows],
             logprobs=result.logprobs[rows],
             top_logprobs=None if result.top is None else result.top.take(rows),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from operator import attrgetter
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,8 @@ from flax import nnx
 from jaxserve.layers.sampler import ProcessorState, apply_token_bitmask, count_sampled, sample, top_logprobs
 from jaxserve.runner.batch import BatchInputs, PackedBatch, unpacked
 from jaxserve.scheduler_output import SchedulerOutput, TopLogprobs
+
+_SAMPLING, _PROMPT_TARGETS, _EXTRAS = map(attrgetter, ("sampling", "prompt_logprob_targets", "extras"))
 
 
 @dataclass(frozen=True)
@@ -60,12 +63,13 @@ class StepVariant:
     @classmethod
     def for_batch(cls, sched: SchedulerOutput) -> StepVariant:
         """The least a batch needs: an extra is on when some row of it asks for it."""
-        sampling = [s.sampling for s in sched.seqs if s.sampling is not None]
+        # (C-level iteration over the rows: this runs every step, for hundreds of rows)
+        needs = set(map(_EXTRAS, filter(None, map(_SAMPLING, sched.seqs))))
         return cls(
-            with_processor_state=any(r.slot >= 0 for r in sampling),
-            with_top_logprobs=any(r.logprobs is not None for r in sampling),
-            with_prompt_logprobs=any(s.prompt_logprob_targets for s in sched.seqs),
-            with_token_bitmask=any(r.constrained for r in sampling),
+            with_processor_state=any(n[0] for n in needs),
+            with_top_logprobs=any(n[1] for n in needs),
+            with_prompt_logprobs=any(map(_PROMPT_TARGETS, sched.seqs)),
+            with_token_bitmask=any(n[2] for n in needs),
         )
 
 

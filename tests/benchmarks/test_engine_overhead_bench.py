@@ -1,5 +1,6 @@
 """benchmarks/engine_overhead.py on tiny batches: every decode step but the last two is measured,
-and the parts it reports fit inside the step they were taken from."""
+the parts it reports fit inside the step they were taken from, for the host-alone loop (the decode
+program replaced by a stand-in) too."""
 
 from __future__ import annotations
 
@@ -40,4 +41,9 @@ def test_decode_steps_are_split_into_host_and_device_time_both_ways(tmp_path, ca
         assert (
             r["async_over_sync"]["step"] == r["async"]["ms_median"]["step"] / r["sync"]["ms_median"]["step"]
         )
-    assert capsys.readouterr().out.count("ms/step") == 4
+        alone = r["host_alone"]  # the same decode steps again, with the stand-in program
+        assert alone["decode_steps_measured"] == 10 and "idle_gap" not in alone["ms_median"]
+        assert (
+            0 < alone["ms_median"]["scheduler"] + alone["ms_median"]["prepare"] < alone["ms_median"]["step"]
+        )
+    assert capsys.readouterr().out.count("ms/step") == 6
