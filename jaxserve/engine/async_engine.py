@@ -307,6 +307,11 @@ class AsyncLLMEngine:
                     replica.wakeup.wait()
                     replica.wakeup.clear()
                     continue
+                wait = engine.seconds_until_next_step()
+                if wait > 0:  # requests that come meanwhile join the next step (engine/pacing.py)
+                    replica.wakeup.wait(wait)
+                    replica.wakeup.clear()
+                    continue
                 outputs = engine.step()
                 stats = (engine.scheduler_stats(), engine.iteration_stats)
                 self._loop.call_soon_threadsafe(self._publish, replica, outputs, stats)

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from jaxserve.config import EngineConfig
 from jaxserve.engine.input_processor import InputProcessor, PromptType
 from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.pacing import StepPacer
 from jaxserve.engine.parent_request import ParentRequest
 from jaxserve.engine.request import RequestStatus
 from jaxserve.engine.scheduler import Scheduler
@@ -87,6 +88,7 @@ class LLMEngine:
         self._between_steps = IterationStats()  # aborts since the last step, counted with the next
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._in_flight = None  # (SchedulerOutput, the runner's handle): dispatched, not collected
+        self.pacer = StepPacer()  # when the server's loop plans the next step (asynchronous scheduling)
         self._counter = itertools.count()
 
     @classmethod
@@ -158,6 +160,12 @@ class LLMEngine:
     def abort_all(self) -> None:
         self.abort_request(list(self.output_processor.parents))
 
+    def seconds_until_next_step(self) -> float:
+        """How long the server's loop may wait for more requests before planning the next step
+        (asynchronous scheduling: until shortly before the step in flight ends); 0: plan now."""
+        at = self.pacer.plan_at() if self.async_scheduling and self._in_flight is not None else None
+        return 0.0 if at is None else max(0.0, at - time.perf_counter())
+
     def has_unfinished_requests(self) -> bool:
         """Requests alive, or a step still in flight (the next step() collects it)."""
         return bool(self.output_processor.parents) or self._in_flight is not None
@@ -172,10 +180,11 @@ class LLMEngine:
 
         Synchronous: schedule, run and finish one step. Asynchronous: schedule and dispatch the
         next step, then finish the one in flight (first, if the new step needs its tokens)."""
+        started = time.perf_counter()
         outputs = self._finish_blocking_step()
         sched = self.scheduler.schedule(max_tokens=self.runner.ready_token_budget)
         stats = self._start_iteration(sched)
-        previous, self._in_flight = self._in_flight, self._dispatch(sched, outputs)
+        previous, self._in_flight = self._in_flight, self._dispatch(sched, outputs, started)
         if previous is not None:
             outputs += self._finish(previous, stats)
         if not self.async_scheduling and self._in_flight is not None:
@@ -191,26 +200,32 @@ class LLMEngine:
         self._in_flight = None
         return self._finish(in_flight, self._between_steps)  # counted with the step about to start
 
-    def _dispatch(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> tuple | None:
+    def _dispatch(self, sched: SchedulerOutput, outputs: list[RequestOutput], started: float) -> tuple | None:
         """Start a step on the device: (the step, the runner's handle), or None when there is
         nothing to run or it failed to start (its requests' failures go to `outputs`)."""
         if sched.is_empty:
             return None
         try:
-            return sched, self.runner.dispatch(
+            handle = self.runner.dispatch(
                 sched, bitmask_filler(self.grammars, sched, self.scheduler.requests)
             )
         except Exception as e:
             outputs += self._fail_step(sched, e)
             return None
+        self.pacer.dispatched(sched.num_tokens, started)
+        return sched, handle
 
     def _finish(self, in_flight: tuple, stats: IterationStats) -> list[RequestOutput]:
         """Collect a dispatched step's results and turn them into request state and outputs."""
         sched, handle = in_flight
+        is_ready = getattr(self.runner, "is_ready", None)  # (a test's fake runner may not say)
+        waited = is_ready is not None and not is_ready(handle)
         try:
             runner_out = self.runner.collect(handle)
         except Exception as e:
+            self.pacer.forget()
             return self._fail_step(sched, e)
+        self.pacer.collected(waited)
         updated = self.scheduler.update(sched, runner_out)
         self.scheduler.stop_on_strings(self.output_processor.detokenize(updated))
         return self.output_processor.make_outputs(updated, stats)

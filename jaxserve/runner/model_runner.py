@@ -419,6 +419,11 @@ class ModelRunner:
             self.processor_state = processors
         return DispatchedStep(sched, inputs, result)
 
+    @staticmethod
+    def is_ready(step: DispatchedStep) -> bool:
+        """Whether the step has finished on the device (collect() would not wait)."""
+        return step.result.tokens.is_ready()
+
     def collect(self, step: DispatchedStep) -> ModelRunnerOutput:
         """Wait for a dispatched step: the one device->host copy of its results (several processes:
         from this process's own replica)."""

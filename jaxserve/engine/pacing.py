@@ -1,0 +1,77 @@
+"""When to plan the next step under asynchronous scheduling.
+
+Planning step N+1 while step N runs hides the host's work, but a request that arrives after N+1
+was planned waits for N+1 to finish before its prefill starts: one step more to its first token
+than with synchronous scheduling. The server's engine loop therefore plans N+1 as late as it
+safely can: at the moment N is expected to end, less the time planning and dispatching take and
+a margin. Requests that arrive until then join N+1.
+
+The expectation comes from the steps themselves: a step that the host had to wait for ended when
+that wait returned, and it started when it was dispatched or, queued behind the step before, when
+that one ended: the difference is its time on the device. Durations are kept per step size (tokens, rounded up to
+a power of two), the smallest recent one counting, so that a wrong guess errs towards planning
+early (the old behaviour) rather than leaving the device idle. A step size never measured, or a
+step whose end was not observed, is not waited for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+
+def size_class(num_tokens: int) -> int:
+    """Steps of similar cost: their token count rounded up to a power of two."""
+    return 1 << max(num_tokens - 1, 0).bit_length()
+
+
+class StepPacer:
+    def __init__(self, margin_s: float = 0.001, host_factor: float = 2.0) -> None:
+        self.margin_s = margin_s  # kept free before the expected end, besides the host's own time
+        self.host_factor = host_factor  # the host's planning time counts this many times
+        self._durations: dict[int, list[float]] = {}  # size class -> recent device times (s)
+        self._host_s = 0.0  # recent planning + dispatch time of one step (s)
+        # steps dispatched and not collected, oldest first: [size class, when it started on the
+        # device (None: not known yet, or not knowable), when it was dispatched]
+        self._queue: deque[list] = deque()
+
+    def dispatched(self, num_tokens: int, planning_started: float, now: float | None = None) -> None:
+        """A step was planned (from `planning_started`) and dispatched (by `now`)."""
+        now = time.perf_counter() if now is None else now
+        host = now - planning_started
+        self._host_s = host if not self._host_s else 0.8 * self._host_s + 0.2 * host
+        # with nothing ahead of it the device starts it now; else when the one ahead ends
+        self._queue.append([size_class(num_tokens), None if self._queue else now, now])
+
+    def collected(self, waited: bool, now: float | None = None) -> None:
+        """The oldest step's results are back. waited: it was still running when the host came for
+        them, so it ended about now."""
+        if not self._queue:  # (forgotten after a failed step)
+            return
+        now = time.perf_counter() if now is None else now
+        size, started, _ = self._queue.popleft()
+        if not waited:  # it ended at some unknown time before now
+            if self._queue:
+                self._queue[0][1] = None
+            return
+        if started is not None:
+            recent = self._durations.setdefault(size, [])
+            recent.append(now - started)
+            del recent[:-4]
+        if self._queue:  # the next one ran from now, or from its dispatch if that was later
+            self._queue[0][1] = max(now, self._queue[0][2])
+
+    def forget(self) -> None:
+        """The steps in flight are gone (a failed step)."""
+        self._queue.clear()
+
+    def plan_at(self) -> float | None:
+        """When (time.perf_counter) to plan the next step, which will queue behind the last one
+        dispatched: shortly before that one is expected to end. None: now."""
+        if not self._queue:
+            return None
+        size, started, _ = self._queue[-1]
+        recent = self._durations.get(size)
+        if started is None or not recent:
+            return None
+        return started + min(recent) - self.host_factor * self._host_s - self.margin_s

@@ -1,0 +1,133 @@
+"""Pacing under asynchronous scheduling: the next step is planned shortly before the step in
+flight is expected to end, so that a request arriving meanwhile joins it instead of the one after.
+
+StepPacer on made-up times, then the server's engine loop (AsyncLLMEngine) over a fake device whose
+steps take a fixed time: a request that arrives while a step runs has its prefill in the very next
+step, where planning a whole step ahead puts one more step before it."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import pytest
+from test_engine_with_fake_runner import FakeRunner
+from tiny_models import engine_kwargs
+
+from jaxserve import SamplingParams
+from jaxserve.args import EngineArgs
+from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.pacing import StepPacer, size_class
+
+
+def test_size_classes_round_up_to_powers_of_two():
+    assert [size_class(n) for n in (1, 2, 3, 4, 5, 8, 9, 256, 257)] == [1, 2, 4, 4, 8, 8, 16, 256, 512]
+
+
+def _back_to_back(pacer: StepPacer, durations: list[float], num_tokens: int = 8) -> float:
+    """Steps of `durations` run one after another, each dispatched 1 s (of host planning that
+    took 0.5 ms) into the one before, as asynchronous scheduling does; returns the last end."""
+    t = 100.0
+    pacer.dispatched(num_tokens, t - 0.0005, t)  # the device is idle: this one starts now
+    end = t + durations[0]
+    for d in durations[1:]:
+        pacer.dispatched(num_tokens, end - 1.0005, end - 1.0)  # queued behind the running one
+        pacer.collected(waited=True, now=end)  # the host waited for the running one: it ends now
+        end += d
+    return end
+
+
+def test_the_next_step_is_planned_before_the_step_in_flight_ends():
+    pacer = StepPacer(margin_s=0.001, host_factor=2.0)
+    assert pacer.plan_at() is None  # nothing in flight
+    pacer.dispatched(8, 99.9995, 100.0)
+    assert pacer.plan_at() is None  # no step of this size measured yet
+    pacer.collected(waited=True, now=103.0)
+    pacer = StepPacer(margin_s=0.001, host_factor=2.0)
+    end = _back_to_back(pacer, [3.0, 3.2, 2.9, 3.1])
+    # the last step started when the one before ended (end - 3.1) and steps of its size take at
+    # least 2.9 s; planning and dispatching take 0.5 ms, counted twice, plus the 1 ms margin
+    assert pacer.plan_at() == pytest.approx(end - 3.1 + 2.9 - 0.001 - 0.001)
+
+
+def test_only_the_last_four_steps_of_a_size_count_and_sizes_are_apart():
+    pacer = StepPacer(margin_s=0.0, host_factor=0.0)
+    # the last (9.0) is in flight; of the five measured, the 1.0 is forgotten
+    end = _back_to_back(pacer, [1.0, 5.0, 6.0, 7.0, 8.0, 9.0])
+    assert pacer.plan_at() == pytest.approx(end - 9.0 + 5.0)
+    pacer.collected(waited=True, now=end)
+    pacer.dispatched(200, end + 0.1, end + 0.2)  # another size: never measured
+    assert pacer.plan_at() is None
+
+
+def test_a_step_whose_end_was_not_seen_is_not_waited_for():
+    pacer = StepPacer(margin_s=0.0, host_factor=0.0)
+    end = _back_to_back(pacer, [3.0, 3.0, 3.0])
+    pacer.dispatched(8, end - 1.0, end - 1.0)
+    pacer.collected(waited=False, now=end + 0.5)  # done before the host came: it ended unseen
+    assert pacer.plan_at() is None  # so when the one queued behind it started is unknown
+    pacer.forget()
+    pacer.collected(waited=True)  # (after a failed step: nothing left to collect)
+    assert pacer.plan_at() is None
+
+
+class TimedRunner(FakeRunner):
+    """FakeRunner on a device whose every step takes STEP seconds, one after another."""
+
+    STEP = 0.15
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.free_at = 0.0
+        self.timeline: list[tuple[float, float, tuple[str, ...]]] = []  # (start, end, row ids)
+
+    def dispatch(self, sched, fill_bitmask=None):
+        answer = super().dispatch(sched, fill_bitmask)
+        start = max(time.perf_counter(), self.free_at)
+        self.free_at = start + self.STEP
+        self.timeline.append((start, self.free_at, tuple(s.request_id for s in sched.seqs)))
+        return answer, self.free_at
+
+    def stop_compiling(self) -> None:
+        pass
+
+    def is_ready(self, handle) -> bool:
+        return time.perf_counter() >= handle[1]
+
+    def collect(self, handle):
+        time.sleep(max(0.0, handle[1] - time.perf_counter()))
+        return handle[0]
+
+
+@pytest.mark.parametrize("paced", [True, False], ids=["paced", "a-step-ahead"])
+async def test_a_request_arriving_during_a_step_joins_the_next_one(tiny_llama_gqa, paced, monkeypatch):
+    kwargs = engine_kwargs(max_num_seqs=4, num_gpu_blocks_override=32)
+    kwargs.pop("compilation_config")
+    config = EngineArgs(model=tiny_llama_gqa[0], async_scheduling=True, **kwargs).create_engine_config()
+    runner = TimedRunner(config.cache_config.num_gpu_blocks_override, config.model_config.get("vocab_size"))
+    if not paced:
+        monkeypatch.setattr(LLMEngine, "seconds_until_next_step", lambda self: 0.0)
+    server = AsyncLLMEngine(LLMEngine(config, runner=runner))
+    server.start()
+    try:
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        long = server.generate({"prompt_token_ids": [5, 6, 7]}, params, "long")
+        for _ in range(6):  # a few decode steps: the pacer has measured their length
+            await anext(long)
+        await asyncio.sleep(TimedRunner.STEP / 3)  # well inside the step that is running now
+        arrived = time.perf_counter()
+        late = server.generate({"prompt_token_ids": [9, 10]}, SamplingParams(max_tokens=2), "late")
+        await anext(late)
+        async for _ in long:
+            pass
+    finally:
+        server.shutdown()
+    timeline = runner.timeline
+    first = next(start for start, _, ids in timeline if "late" in ids)
+    between = [start for start, _, _ in timeline if arrived < start < first]
+    assert len(between) == (0 if paced else 1)
+    if paced:  # and the device was kept busy: each step was there before the one ahead ended
+        gaps = [b[0] - a[1] for a, b in zip(timeline, timeline[1:])]
+        assert statistics.median(gaps) < TimedRunner.STEP / 5
