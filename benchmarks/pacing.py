@@ -30,7 +30,7 @@ async def _client(engine, name: str, n: int, results: list, rng) -> None:
 
     await asyncio.sleep(rng.uniform(0, 1.0))
     for k in range(n):
-        ids = rng.integers(100, 20000, 64).tolist()
+        ids = rng.integers(3, min(20000, engine.engine.config.model_config.get("vocab_size")), 64).tolist()
         params = SamplingParams(max_tokens=int(rng.integers(20, 60)), ignore_eos=True, temperature=0)
         start, first, count = time.perf_counter(), None, 0
         async for out in engine.generate({"prompt_token_ids": ids}, params, f"{name}-{k}-{time.time()}"):
