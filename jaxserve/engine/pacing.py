@@ -16,6 +16,7 @@ step whose end was not observed, is not waited for.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 
@@ -26,8 +27,11 @@ def size_class(num_tokens: int) -> int:
 
 
 class StepPacer:
-    def __init__(self, margin_s: float = 0.001, host_factor: float = 2.0) -> None:
-        self.margin_s = margin_s  # kept free before the expected end, besides the host's own time
+    def __init__(self, margin_s: float | None = None, host_factor: float = 2.0) -> None:
+        # kept free before the expected end besides the host's own time; by default Python's
+        # thread switch interval, the longest the waiting thread may wait for the interpreter
+        # while another thread of the server (streaming outputs) holds it
+        self.margin_s = sys.getswitchinterval() if margin_s is None else margin_s
         self.host_factor = host_factor  # the host's planning time counts this many times
         self._durations: dict[int, list[float]] = {}  # size class -> recent device times (s)
         self._host_s = 0.0  # recent planning + dispatch time of one step (s)
