@@ -392,7 +392,7 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
         if req.grammar is not None and req.grammar.terminated:  # nothing more fits its grammar
             return RequestStatus.FINISHED_STOPPED
-        if req.num_tokens >= self.config.max_model_len or req.num_output_tokens >= req.max_tokens:
+        if req.num_output_tokens >= req.output_limit:  # max_tokens, or max_model_len reached
             return RequestStatus.FINISHED_LENGTH
         return None
 
