@@ -161,10 +161,18 @@ class LLMEngine:
         self.abort_request(list(self.output_processor.parents))
 
     def seconds_until_next_step(self) -> float:
-        """How long the server's loop may wait for more requests before planning the next step
-        (asynchronous scheduling: until shortly before the step in flight ends); 0: plan now."""
+        """How long the server's loop may wait for more requests before asking again (asynchronous
+        scheduling: until shortly before the step in flight ends, StepPacer.POLL_S at a time);
+        0: plan the next step now."""
         at = self.pacer.plan_at() if self.async_scheduling and self._in_flight is not None else None
-        return 0.0 if at is None else max(0.0, at - time.perf_counter())
+        if at is None or self._has_ended(self._in_flight[1]):
+            return 0.0
+        return min(max(0.0, at - time.perf_counter()), self.pacer.POLL_S)
+
+    def _has_ended(self, handle) -> bool:
+        """Whether a dispatched step is done on the device (a test's fake runner may not say: yes)."""
+        is_ready = getattr(self.runner, "is_ready", None)
+        return is_ready is None or is_ready(handle)
 
     def has_unfinished_requests(self) -> bool:
         """Requests alive, or a step still in flight (the next step() collects it)."""
@@ -218,8 +226,7 @@ class LLMEngine:
     def _finish(self, in_flight: tuple, stats: IterationStats) -> list[RequestOutput]:
         """Collect a dispatched step's results and turn them into request state and outputs."""
         sched, handle = in_flight
-        is_ready = getattr(self.runner, "is_ready", None)  # (a test's fake runner may not say)
-        waited = is_ready is not None and not is_ready(handle)
+        waited = not self._has_ended(handle)
         try:
             runner_out = self.runner.collect(handle)
         except Exception as e:

@@ -12,6 +12,10 @@ that one ended: the difference is its time on the device. Durations are kept per
 a power of two), the smallest recent one counting, so that a wrong guess errs towards planning
 early (the old behaviour) rather than leaving the device idle. A step size never measured, or a
 step whose end was not observed, is not waited for.
+
+A guess that is too long (a step measured while another process held the cores) must not last:
+the loop asks again every POLL_S and plans at once when the step in flight has ended, and a step
+found ended when the host came for it ended no later than then, which lowers a longer guess.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ def size_class(num_tokens: int) -> int:
 
 
 class StepPacer:
+    POLL_S = 0.002  # the longest the loop waits before asking again whether the device is done
+
     def __init__(self, margin_s: float | None = None, host_factor: float = 2.0) -> None:
         # kept free before the expected end besides the host's own time; by default Python's
         # thread switch interval, the longest the waiting thread may wait for the interpreter
@@ -54,12 +60,15 @@ class StepPacer:
             return
         now = time.perf_counter() if now is None else now
         size, started, _ = self._queue.popleft()
-        if not waited:  # it ended at some unknown time before now
+        recent = self._durations.setdefault(size, [])
+        if not waited:  # it ended at some unknown time before now: it took at most now - started
+            if started is not None and recent and now - started < min(recent):
+                recent.append(now - started)
+                del recent[:-4]
             if self._queue:
                 self._queue[0][1] = None
             return
         if started is not None:
-            recent = self._durations.setdefault(size, [])
             recent.append(now - started)
             del recent[:-4]
         if self._queue:  # the next one ran from now, or from its dispatch if that was later

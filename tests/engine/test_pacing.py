@@ -73,6 +73,19 @@ def test_a_step_whose_end_was_not_seen_is_not_waited_for():
     assert pacer.plan_at() is None
 
 
+def test_a_step_found_ended_early_lowers_a_longer_guess():
+    pacer = StepPacer(margin_s=0.0, host_factor=0.0)
+    end = _back_to_back(pacer, [3.0, 3.0, 3.0])  # measured while the device was slow
+    pacer.collected(waited=True, now=end)
+    pacer.dispatched(8, end + 1.0, end + 1.0)  # the device was idle: the last one started here
+    pacer.collected(waited=False, now=end + 1.5)  # ... and was over within 0.5 s
+    pacer.dispatched(8, end + 2.0, end + 2.0)
+    assert pacer.plan_at() == pytest.approx(end + 2.5)
+    pacer.dispatched(8, end + 2.1, end + 2.1)
+    pacer.collected(waited=False, now=end + 4.0)  # an end seen late bounds nothing new
+    assert pacer._durations[8] == [3.0, 3.0, 3.0, pytest.approx(0.5)]
+
+
 class TimedRunner(FakeRunner):
     """FakeRunner on a device whose every step takes STEP seconds, one after another."""
 
@@ -131,3 +144,30 @@ async def test_a_request_arriving_during_a_step_joins_the_next_one(tiny_llama_gq
     if paced:  # and the device was kept busy: each step was there before the one ahead ended
         gaps = [b[0] - a[1] for a, b in zip(timeline, timeline[1:])]
         assert statistics.median(gaps) < TimedRunner.STEP / 5
+
+
+async def test_a_guess_far_too_long_neither_stalls_the_loop_nor_lasts(tiny_llama_gqa):
+    """Step lengths measured while the machine was busy elsewhere (100x the real ones): the loop
+    still plans each step once the one in flight is done, and the guess comes down to the truth."""
+    kwargs = engine_kwargs(max_num_seqs=4, num_gpu_blocks_override=32)
+    kwargs.pop("compilation_config")
+    config = EngineArgs(model=tiny_llama_gqa[0], async_scheduling=True, **kwargs).create_engine_config()
+    runner = TimedRunner(config.cache_config.num_gpu_blocks_override, config.model_config.get("vocab_size"))
+    engine = LLMEngine(config, runner=runner)
+    slow = 100 * TimedRunner.STEP
+    engine.pacer._durations = {size: [slow] * 4 for size in (1, 2, 4, 8, 16)}
+    server = AsyncLLMEngine(engine)
+    server.start()
+    try:
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+        async def run() -> None:
+            async for _ in server.generate({"prompt_token_ids": [5, 6, 7]}, params, "r"):
+                pass
+
+        await asyncio.wait_for(run(), 30 * TimedRunner.STEP)
+    finally:
+        server.shutdown()
+    gaps = [b[0] - a[1] for a, b in zip(runner.timeline, runner.timeline[1:])]
+    assert max(gaps) < TimedRunner.STEP / 3
+    assert min(engine.pacer._durations[1]) < 1.5 * TimedRunner.STEP  # the decode steps' guess
