@@ -226,7 +226,13 @@ class EngineArgs:
     )
     # GGUF checkpoints are dequantized at load, so naming their format is honoured.
     quantization: str | None = arg(
-        G.MODEL, None, "Weight quantization method.", tier="B", short="-q", supported=(None, "gguf")
+        G.MODEL,
+        None,
+        "Weight quantization method: int8 or fp8 (weight-only, one scale per output channel, "
+        "quantized at load); gguf (a .gguf file's own).",
+        tier="B",
+        short="-q",
+        supported=(None, "gguf", "int8", "fp8"),
     )
     disable_sliding_window: bool = arg(
         G.MODEL, False, "Cap max_model_len at the model's sliding window (jaxserve applies no window)."

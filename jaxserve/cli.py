@@ -143,12 +143,16 @@ def convert(engine_args: EngineArgs, output: str) -> str:
     from jaxserve.loader.model_loader import load_model
     from jaxserve.loader.orbax import save_converted
     from jaxserve.loader.tokenizer import load_tokenizer
+    from jaxserve.model_resolution import CONVERTED_QUANT_METHOD
     from jaxserve.sharding import make_mesh
 
     mc = engine_args.create_engine_config().model_config
     _, state = load_model(mc, make_mesh(1))
     source_dir = mc.model if os.path.isdir(mc.model) else None
-    save_converted(output, state, dict(mc.hf_config), load_tokenizer(mc), source_dir, mc.dtype)
+    hf_config = dict(mc.hf_config)
+    if mc.quantization is not None:  # serving the directory knows it from its config.json
+        hf_config["quantization_config"] = {"quant_method": CONVERTED_QUANT_METHOD.format(mc.quantization)}
+    save_converted(output, state, hf_config, load_tokenizer(mc), source_dir, mc.dtype)
     return output
 
 

@@ -38,6 +38,8 @@ class ModelConfig:
     max_logprobs: int = 20
     skip_tokenizer_init: bool = False
     use_tqdm_on_load: bool = True
+    # Weight-only quantization of the layers' projections: "int8", "fp8" or None (as stored)
+    quantization: str | None = None
 
     @property
     def architecture(self) -> str:

@@ -10,11 +10,14 @@ architecture the registry lacks, and settles the serving dtype and max_model_len
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 from types import MappingProxyType
 
 from jaxserve.config import ModelConfig
 from jaxserve.flags import as_dict, parse_model_len
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {
     "auto": None,
@@ -142,6 +145,7 @@ def model_config_from_args(args) -> ModelConfig:
     from jaxserve.models.registry import resolve_architecture
 
     resolve_architecture(hf_config)  # refuse unknown architectures before anything loads
+    quantization = _weight_quantization(hf_config, args.quantization)
     if args.dtype == "auto":
         dtype = "float32" if platform() == "cpu" else _checkpoint_dtype(hf_config)
         if dtype == "float32" and platform() != "cpu":
@@ -184,4 +188,38 @@ def model_config_from_args(args) -> ModelConfig:
         max_logprobs=args.max_logprobs,
         skip_tokenizer_init=args.skip_tokenizer_init,
         use_tqdm_on_load=args.use_tqdm_on_load,
+        quantization=quantization,
     )
+
+
+# quantization_config.quant_method of a directory that `jaxserve convert --quantization M` wrote
+CONVERTED_QUANT_METHOD = "jaxserve-{}"
+
+
+def _weight_quantization(hf_config: dict, flag: str | None) -> str | None:
+    """The weight quantization to serve with ("int8", "fp8" or None): --quantization's, or what a
+    converted checkpoint was saved with. A checkpoint quantized by a method jaxserve cannot
+    serve is refused, naming the method."""
+    from jaxserve.layers.linear import WEIGHT_QUANTIZATIONS
+
+    method = (hf_config.get("quantization_config") or {}).get("quant_method")
+    saved = next((q for q in WEIGHT_QUANTIZATIONS if method == CONVERTED_QUANT_METHOD.format(q)), None)
+    if method is not None and saved is None:
+        raise ValueError(
+            f"The checkpoint is quantized with {method!r} (config.json quantization_config), which "
+            f"jaxserve cannot serve yet; supported: unquantized checkpoints with --quantization "
+            f"{' or '.join(WEIGHT_QUANTIZATIONS)}, and GGUF files."
+        )
+    if saved is not None:
+        if flag not in (None, saved):
+            raise ValueError(
+                f"--quantization {flag} does not match the checkpoint, which was converted with "
+                f"--quantization {saved}."
+            )
+        return saved
+    if flag == "fp8" and platform() == "cpu":  # measured in benchmarks/quantization.py
+        logger.warning(
+            "fp8 weights are converted in software on the CPU: decoding is several times slower "
+            "than with float32 weights; --quantization int8 is the CPU's faster choice."
+        )
+    return flag if flag in WEIGHT_QUANTIZATIONS else None

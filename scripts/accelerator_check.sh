@@ -5,7 +5,8 @@
 #   2. checks the platform's Pallas kernel against the reference on the device;
 #   3. runs the attention microbenchmark (kernel and reference) on Llama-3-8B heads;
 #   4. runs the offline throughput benchmark on a Llama-3-8B-shaped model with random weights
-#      (--load-format dummy) in bfloat16, with the kernel and with the reference.
+#      (--load-format dummy) in bfloat16, with the kernel and with the reference, then with the
+#      kernel and int8 / fp8 weights (weight-only, --quantization).
 # Results (JSON and logs) go to $OUT if set (the device tool's folder), else benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,5 +36,12 @@ for backend in pallas reference; do
     --skip-tokenizer-init --no-hf-baseline --attention-backend $backend --max-model-len 2048 \
     --num-prompts 64 --input-len 512 --output-len 128 \
     --output-json "$RESULTS/throughput_llama3-8b-shape_${backend}_$KIND.json" || status=1
+done
+# The same load with quantized weights; the bfloat16 pallas run above is the baseline.
+for quantization in int8 fp8; do
+  python3 benchmarks/throughput.py --model configs/llama3-8b-shape --load-format dummy --dtype bfloat16 \
+    --skip-tokenizer-init --no-hf-baseline --attention-backend pallas --max-model-len 2048 \
+    --num-prompts 64 --input-len 512 --output-len 128 --quantization $quantization \
+    --output-json "$RESULTS/throughput_llama3-8b-shape_pallas_${quantization}_$KIND.json" || status=1
 done
 exit $status

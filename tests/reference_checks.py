@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
+import re
 
 import jax
 import numpy as np
@@ -167,3 +169,32 @@ def compilations():
         yield events
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+# The decoder projections each family quantizes, by transformers' parameter names; GPT-2's
+# Conv1D weights are [in, out], every other one [..., out, in].
+PROJECTIONS = re.compile(
+    r"layers\.\d+\.(self_attn\.(q|k|v|o|qkv|out)_proj|mlp\.(gate|up|down|gate_up)_proj|fc1|fc2"
+    r"|mlp\.experts\.(gate_up|down)_proj)(\.weight)?$|^transformer\.h\.\d+\.(attn|mlp)\.c_\w+\.weight$"
+)
+QMAX = {"int8": 127.0, "fp8": 448.0}
+
+
+def quantized_reference(model, quantization: str):
+    """A copy of the torch model whose decoder projections went through the quantizer."""
+    import torch
+
+    ref = copy.deepcopy(model)
+    names = []
+    with torch.no_grad():
+        for name, param in ref.named_parameters():
+            if not PROJECTIONS.search(name):
+                continue
+            names.append(name)
+            in_axis = 0 if name.startswith("transformer.h.") else -1
+            scale = param.abs().amax(dim=in_axis, keepdim=True).clamp_min(1e-30) / QMAX[quantization]
+            v = param / scale
+            v = v.round().clamp(-127, 127) if quantization == "int8" else v.to(torch.float8_e4m3fn).float()
+            param.copy_(v * scale)
+    assert names, "no projection matched"
+    return ref

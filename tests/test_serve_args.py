@@ -446,6 +446,34 @@ def test_gguf_quantization_needs_a_gguf_file(tmp_path):
         EngineArgs(model=_checkpoint(tmp_path / "m"), quantization="gguf").create_engine_config()
 
 
+@pytest.mark.parametrize("flag", [None, "int8", "fp8", "gguf"])
+def test_weight_quantization_is_resolved_from_the_flag_and_the_checkpoint(tmp_path, flag):
+    model = _checkpoint(tmp_path / "m")
+    if flag == "gguf":
+        return test_gguf_quantization_needs_a_gguf_file(tmp_path)
+    assert EngineArgs(model=model, quantization=flag).create_engine_config().model_config.quantization == flag
+    converted = _checkpoint(tmp_path / "c", quantization_config={"quant_method": "jaxserve-int8"})
+    if flag in (None, "int8"):  # a directory `jaxserve convert --quantization int8` wrote
+        assert (
+            EngineArgs(model=converted, quantization=flag).create_engine_config().model_config.quantization
+            == "int8"
+        )
+    else:
+        with pytest.raises(ValueError, match="--quantization fp8 does not match the checkpoint"):
+            EngineArgs(model=converted, quantization=flag).create_engine_config()
+
+
+def test_a_checkpoint_quantized_by_a_method_jaxserve_cannot_serve_is_refused_in_one_line(tmp_path, capsys):
+    model = _checkpoint(tmp_path / "m", quantization_config={"quant_method": "gptq", "bits": 4})
+    with pytest.raises(ValueError, match=r"quantized with 'gptq' \(config.json quantization_config\)"):
+        EngineArgs(model=model).create_engine_config()
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model", model, "--prompt", "hi"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "'gptq'" in err and len(err.splitlines()) == 1
+
+
 def test_max_model_len_may_exceed_the_trained_length_only_with_rope_scaling(tmp_path):
     model = _checkpoint(tmp_path / "m")
     with pytest.raises(ValueError, match=r"max_position_embeddings\)"):

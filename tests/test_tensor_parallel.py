@@ -1,6 +1,7 @@
 """Tensor parallelism on 8 fake CPU devices: the same greedy tokens at tp = 1, 2, 4 and 8
-(a GQA Llama with fewer KV heads than devices, and a Mixtral with expert parallelism), and
-every device holding only its own slice of each weight and of the KV pool.
+(a GQA Llama with fewer KV heads than devices, the same with int8 weights, and a Mixtral with
+expert parallelism), and every device holding only its own slice of each weight (and of each
+quantization scale) and of the KV pool.
 
 The device count is fixed when JAX starts, so the engines run in one fresh subprocess."""
 
@@ -11,7 +12,7 @@ import json
 import textwrap
 
 import pytest
-from reference_checks import check_greedy
+from reference_checks import check_greedy, quantized_reference
 from tiny_models import TP_LLAMA, engine_kwargs, make_checkpoint, run_on_fake_devices
 
 from jaxserve.args import EngineArgs
@@ -33,9 +34,11 @@ SCRIPT = textwrap.dedent(
               "ok": {"type": "boolean"}}, "required": ["n", "ok"], "additionalProperties": False}
 
     path, prompts, expert_parallel = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "ep"
+    quantization = None if sys.argv[4] == "-" else sys.argv[4]
     report = {}
     for tp in (1, 2, 4, 8):
-        llm = LLM(path, **engine_kwargs(tensor_parallel_size=tp, enable_expert_parallel=expert_parallel))
+        llm = LLM(path, **engine_kwargs(tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
+                                        quantization=quantization))
         runner = llm.llm_engine.runner
         shards = {}
         for key, var in runner.state.flat_state():
@@ -70,7 +73,7 @@ SCRIPT = textwrap.dedent(
         from jaxserve.args import EngineArgs
         from jaxserve.cli import convert
 
-        out = convert(EngineArgs(model=path, **engine_kwargs()), path + "-orbax")
+        out = convert(EngineArgs(model=path, **engine_kwargs(quantization=quantization)), path + "-orbax")
         llm = LLM(out, **engine_kwargs(tensor_parallel_size=8))
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
@@ -85,20 +88,25 @@ SCRIPT = textwrap.dedent(
 PROMPTS = [[5, 17, 300, 42, 9], list(range(20, 51)), [7]]
 
 
-def _run(path: str, expert_parallel: bool) -> dict:
-    out = run_on_fake_devices(SCRIPT, path, json.dumps(PROMPTS), "ep" if expert_parallel else "-")
+def _run(path: str, expert_parallel: bool, quantization: str | None) -> dict:
+    out = run_on_fake_devices(
+        SCRIPT, path, json.dumps(PROMPTS), "ep" if expert_parallel else "-", quantization or "-"
+    )
     report = json.loads(out.strip().splitlines()[-1])
     return {int(k) if k.isdigit() else k: r for k, r in report.items()}
 
 
-@pytest.fixture(scope="module", params=["llama", "mixtral"])
+@pytest.fixture(scope="module", params=["llama", "llama-int8", "mixtral"])
 def tp_runs(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(f"tp-{request.param}"))
-    if request.param == "llama":
-        model = make_checkpoint(path, "LlamaConfig", "LlamaForCausalLM", TP_LLAMA, "float32", 0)
-    else:
+    if request.param == "mixtral":
         model = make_checkpoint(path, "MixtralConfig", "MixtralForCausalLM", TP_MIXTRAL, "float32", 0)
-    return request.param, model, _run(path, expert_parallel=request.param == "mixtral")
+    else:
+        model = make_checkpoint(path, "LlamaConfig", "LlamaForCausalLM", TP_LLAMA, "float32", 0)
+    quantization = "int8" if request.param.endswith("int8") else None
+    if quantization:  # the reference: transformers with the same quantized weights
+        model = quantized_reference(model, quantization)
+    return request.param, model, _run(path, request.param == "mixtral", quantization)
 
 
 def test_greedy_tokens_are_the_same_at_every_tensor_parallel_size(tp_runs):
@@ -135,6 +143,9 @@ def test_each_device_holds_only_its_slice(tp_runs):
         assert shard("lm_head") == (hidden, vocab // tp)
         assert shard("layers.q_proj") == (layers, hidden, 8 * head_dim // tp)
         assert shard("layers.o_proj") == (layers, 8 * head_dim // tp, hidden)
+        if family.endswith("int8"):  # each output channel's scale lives with the channel
+            assert shard("layers.q_proj_scale") == (layers, 8 * head_dim // tp)
+            assert shard("layers.o_proj_scale") == (layers, hidden)
         # whole KV heads on every device: copies once tp exceeds the checkpoint's KV heads
         kv_per_device = max(kv_heads // tp, 1)
         assert shard("layers.k_proj") == (layers, hidden, kv_per_device * head_dim)

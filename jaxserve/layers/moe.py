@@ -51,9 +51,12 @@ def grouped_experts(
     gate: jax.Array,  # [num_experts, hidden, intermediate]
     up: jax.Array,  # [num_experts, hidden, intermediate]
     down: jax.Array,  # [num_experts, intermediate, hidden]
+    scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,  # quantized: gate's, up's, down's
 ) -> jax.Array:  # [num_tokens, hidden] float32
     """The routed experts' outputs, weighted and summed per token in float32. Pairs whose
-    expert index is outside [0, num_experts) (held by another device) contribute nothing."""
+    expert index is outside [0, num_experts) (held by another device) contribute nothing.
+    Quantized expert weights (layers/linear.py) come with per-channel `scales` [num_experts,
+    out], applied to each row's result with its own expert's scale."""
     num_tokens, top_k = experts.shape
     num_experts = gate.shape[0]
     pair_expert = experts.reshape(-1)  # [num_pairs]
@@ -62,12 +65,18 @@ def grouped_experts(
     order = jnp.argsort(key, stable=True)  # [num_pairs] pair indices grouped by expert
     group_sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
 
-    def per_expert(lhs, w):  # each group of rows times its own expert's weight
-        return jax.lax.ragged_dot(lhs, w, group_sizes)
+    row_expert = jnp.minimum(key[order], num_experts - 1)  # [num_pairs] (rows not held: dropped below)
+    gate_s, up_s, down_s = (None, None, None) if scales is None else scales
+
+    def per_expert(lhs, w, scale):  # each group of rows times its own expert's weight
+        if scale is None:
+            return jax.lax.ragged_dot(lhs, w, group_sizes)
+        y = jax.lax.ragged_dot(lhs, w.astype(lhs.dtype), group_sizes, preferred_element_type=jnp.float32)
+        return (y * scale[row_expert]).astype(lhs.dtype)
 
     rows = x[order // top_k]  # [num_pairs, hidden]
-    h = jax.nn.silu(per_expert(rows, gate)) * per_expert(rows, up)  # [num_pairs, intermediate]
-    y = per_expert(h, down)  # [num_pairs, hidden], sorted
+    h = jax.nn.silu(per_expert(rows, gate, gate_s)) * per_expert(rows, up, up_s)  # [num_pairs, intermediate]
+    y = per_expert(h, down, down_s)  # [num_pairs, hidden], sorted
     y = jnp.where(held[order][:, None], y, 0)
     y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back to pair order
     y = y.reshape(num_tokens, top_k, -1).astype(jnp.float32)
@@ -81,21 +90,23 @@ def moe_mlp(
     up: jax.Array,  # [num_experts, hidden, intermediate]
     down: jax.Array,  # [num_experts, intermediate, hidden]
     args: MoEArgs,
+    scales: tuple[jax.Array, jax.Array, jax.Array] | None = None,  # of quantized experts
 ) -> jax.Array:  # [num_tokens, hidden]
-    def local(x, router, gate, up, down, first_expert=0):
-        weights, experts = route(x, router, args.top_k, args.renormalize)
-        return grouped_experts(x, weights, experts - first_expert, gate, up, down)
+    def local(x, router, experts, scales, first_expert=0):
+        weights, chosen = route(x, router, args.top_k, args.renormalize)
+        return grouped_experts(x, weights, chosen - first_expert, *experts, scales)
 
     axis = logical_to_spec(("experts",), expert_parallel=args.expert_parallel)[0]
     mesh = jax.sharding.get_abstract_mesh()  # the mesh the step is traced under, if any
     if axis is None or mesh.empty or mesh.shape.get(axis, 1) == 1:
-        return local(x, router, gate, up, down).astype(x.dtype)
+        return local(x, router, (gate, up, down), scales).astype(x.dtype)
 
-    def shard(x, router, gate, up, down):  # gate/up/down: this device's experts
-        partial = local(x, router, gate, up, down, jax.lax.axis_index(axis) * gate.shape[0])
+    def shard(x, router, experts, scales):  # experts, scales: this device's experts'
+        partial = local(x, router, experts, scales, jax.lax.axis_index(axis) * experts[0].shape[0])
         return jax.lax.psum(partial, axis)
 
     split, whole = PartitionSpec(axis), PartitionSpec()
-    specs = (whole, whole, split, split, split)  # x and the router whole, the experts split
+    # x and the router whole, the experts (and their scales) split
+    specs = (whole, whole, (split,) * 3, None if scales is None else (split,) * 3)
     sharded = jax.shard_map(shard, mesh=mesh, in_specs=specs, out_specs=whole)
-    return sharded(x, router, gate, up, down).astype(x.dtype)
+    return sharded(x, router, (gate, up, down), scales).astype(x.dtype)

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig, ParallelConfig
+from jaxserve.layers.linear import SCALE_SUFFIX, quantize_kernel
 from jaxserve.loader import file_cache
 from jaxserve.models.registry import resolve_architecture
 from jaxserve.sharding import named_sharding, state_shardings
@@ -27,6 +28,8 @@ from jaxserve.sharding import named_sharding, state_shardings
 def build_model_args(model_config: ModelConfig, parallel: ParallelConfig | None = None):
     _, entry = resolve_architecture(model_config.hf_config)
     args = entry.make_args(model_config.hf_config, model_config.max_model_len)
+    if model_config.quantization is not None:  # the layers' projections stored quantized
+        args = dataclasses.replace(args, quantization=model_config.quantization)
     tp = parallel.tensor_parallel_size if parallel is not None else 1
     moe = getattr(args, "moe", None)  # expert parallelism means something only to MoE models
     if moe is not None and parallel is not None and parallel.enable_expert_parallel:
@@ -112,6 +115,8 @@ def load_model(
 
     flat = dict(nnx.to_flat_state(abstract))
     paths = {".".join(map(str, key)) for key in flat}
+    quantized = {p.removesuffix(SCALE_SUFFIX) for p in paths if p.endswith(SCALE_SUFFIX)}
+    paths -= {p + SCALE_SUFFIX for p in quantized}  # (made below, not read)
     buffers = None
     if model_config.load_format == "gguf":  # dequantized and stacked once, then read back mapped
         cached_as = f"weights-kv{getattr(args, 'kv_head_copies', 1)}"
@@ -120,13 +125,15 @@ def load_model(
         buffers = _read_buffers(model_config, entry, args, flat)
         if model_config.load_format == "gguf":
             file_cache.write_arrays(model_config.model, cached_as, buffers)
+    for path in quantized:
+        buffers[path], buffers[path + SCALE_SUFFIX] = quantize_kernel(buffers[path], args.quantization)
     for key, var in flat.items():
         buf = buffers[".".join(map(str, key))]
         sharding = named_sharding(mesh, var.get_metadata()["logical_axes"], expert_parallel)
         # Each device receives only its own slice, cast on the host: no device (and, across
         # hosts, no process) ever holds a whole tensor it does not own.
         var.value = jax.make_array_from_callback(
-            buf.shape, sharding, lambda i, b=buf: b[i].astype(dtype, copy=False)
+            buf.shape, sharding, lambda i, b=buf, t=var.value.dtype: b[i].astype(t, copy=False)
         )
     return graphdef, nnx.from_flat_state(flat)
 

@@ -28,6 +28,7 @@ from flax import nnx
 
 from jaxserve.layers.activation import ACTIVATIONS
 from jaxserve.layers.attention import AttentionMetadata, paged_attention
+from jaxserve.layers.linear import SCALE_SUFFIX, kernel_params, linear
 from jaxserve.layers.moe import MoEArgs, moe_mlp
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import apply_rope, rope_attention_scaling, rope_inv_freq
@@ -66,6 +67,8 @@ class LlamaArgs:
     # Tensor parallelism over more devices than the checkpoint has KV heads: each KV head is
     # stored this many times (num_kv_heads counts the copies), so every device holds whole heads.
     kv_head_copies: int = 1
+    # Weight-only quantization of the layers' projections (layers/linear.py): "int8", "fp8" or None.
+    quantization: str | None = None
 
     @classmethod
     def from_hf(cls, hf: Mapping, max_model_len: int) -> LlamaArgs:
@@ -124,22 +127,27 @@ class LlamaLayers(nnx.Module):
     def __init__(self, a: LlamaArgs, dtype, rngs: nnx.Rngs):
         n, e, m = a.num_layers, a.hidden_size, a.intermediate_size
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+
+        def kernel(name: str, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> None:
+            for suffix, param in kernel_params(rngs, shape, axes, dtype, a.quantization).items():
+                setattr(self, name + suffix, param)
+
         self.input_norm = _param(rngs, (n, e), ("layers", "norm"), dtype, "ones")
-        self.q_proj = _param(rngs, (n, e, q), ("layers", "embed", "q_heads"), dtype)
-        self.k_proj = _param(rngs, (n, e, kv), ("layers", "embed", "kv_heads"), dtype)
-        self.v_proj = _param(rngs, (n, e, kv), ("layers", "embed", "kv_heads"), dtype)
-        self.o_proj = _param(rngs, (n, q, e), ("layers", "q_heads", "embed"), dtype)
+        kernel("q_proj", (n, e, q), ("layers", "embed", "q_heads"))
+        kernel("k_proj", (n, e, kv), ("layers", "embed", "kv_heads"))
+        kernel("v_proj", (n, e, kv), ("layers", "embed", "kv_heads"))
+        kernel("o_proj", (n, q, e), ("layers", "q_heads", "embed"))
         self.post_norm = _param(rngs, (n, e), ("layers", "norm"), dtype, "ones")
         if a.moe:
             x, m = a.moe.num_experts, a.moe.intermediate_size
             self.router = _param(rngs, (n, e, x), ("layers", "embed", None), dtype)
-            self.expert_gate = _param(rngs, (n, x, e, m), ("layers", "experts", "embed", "expert_mlp"), dtype)
-            self.expert_up = _param(rngs, (n, x, e, m), ("layers", "experts", "embed", "expert_mlp"), dtype)
-            self.expert_down = _param(rngs, (n, x, m, e), ("layers", "experts", "expert_mlp", "embed"), dtype)
+            kernel("expert_gate", (n, x, e, m), ("layers", "experts", "embed", "expert_mlp"))
+            kernel("expert_up", (n, x, e, m), ("layers", "experts", "embed", "expert_mlp"))
+            kernel("expert_down", (n, x, m, e), ("layers", "experts", "expert_mlp", "embed"))
         else:
-            self.gate_proj = _param(rngs, (n, e, m), ("layers", "embed", "mlp"), dtype)
-            self.up_proj = _param(rngs, (n, e, m), ("layers", "embed", "mlp"), dtype)
-            self.down_proj = _param(rngs, (n, m, e), ("layers", "mlp", "embed"), dtype)
+            kernel("gate_proj", (n, e, m), ("layers", "embed", "mlp"))
+            kernel("up_proj", (n, e, m), ("layers", "embed", "mlp"))
+            kernel("down_proj", (n, m, e), ("layers", "mlp", "embed"))
         if a.qkv_bias:
             self.q_bias = _param(rngs, (n, q), ("layers", "q_heads"), dtype, "zeros")
             self.k_bias = _param(rngs, (n, kv), ("layers", "kv_heads"), dtype, "zeros")
@@ -159,12 +167,6 @@ class LlamaLayers(nnx.Module):
 
     def stacked(self) -> dict[str, jax.Array]:
         return {name: var.value for name, var in vars(self).items() if isinstance(var, nnx.Param)}
-
-
-def _linear(x: jax.Array, w: Mapping[str, jax.Array], name: str) -> jax.Array:
-    y = x @ w[f"{name}_proj"]
-    bias = w.get(f"{name}_bias")
-    return y if bias is None else y + bias
 
 
 def _windows(layer_windows: tuple[int | None, ...]) -> tuple[int | None, np.ndarray | None]:
@@ -221,9 +223,9 @@ class LlamaForCausalLM(nnx.Module):
             w, per_layer = xs
             layer_freq = per_layer.get("inv_freq", inv_freq)
             h = norm(x, w["input_norm"])
-            q = _linear(h, w, "q").reshape(num_tokens, a.num_heads, a.head_dim)
-            k = _linear(h, w, "k").reshape(num_tokens, a.num_kv_heads, a.head_dim)
-            v = _linear(h, w, "v").reshape(num_tokens, a.num_kv_heads, a.head_dim)
+            q = linear(h, w, "q").reshape(num_tokens, a.num_heads, a.head_dim)
+            k = linear(h, w, "k").reshape(num_tokens, a.num_kv_heads, a.head_dim)
+            v = linear(h, w, "v").reshape(num_tokens, a.num_kv_heads, a.head_dim)
             if a.qk_norm:
                 q = norm(q, w["q_norm"])
                 k = norm(k, w["k_norm"])
@@ -241,13 +243,15 @@ class LlamaForCausalLM(nnx.Module):
                 sliding_window=per_layer.get("window", shared_window),
                 soft_cap=a.attn_soft_cap,
             )
-            out = _linear(attn.reshape(num_tokens, -1), w, "o")
+            out = linear(attn.reshape(num_tokens, -1), w, "o")
             x = x + (norm(out, w["attn_out_norm"]) if a.sandwich_norms else out)
             h = norm(x, w["post_norm"])
             if a.moe:
-                out = moe_mlp(h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"], a.moe)
+                names = ("expert_gate", "expert_up", "expert_down")
+                scales = tuple(w[n + SCALE_SUFFIX] for n in names) if a.quantization else None
+                out = moe_mlp(h, w["router"], *(w[n] for n in names), a.moe, scales)
             else:
-                out = _linear(act(_linear(h, w, "gate")) * _linear(h, w, "up"), w, "down")
+                out = linear(act(linear(h, w, "gate")) * linear(h, w, "up"), w, "down")
             x = x + (norm(out, w["mlp_out_norm"]) if a.sandwich_norms else out)
             return (x, kv_pool), None
 

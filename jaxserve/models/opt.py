@@ -24,7 +24,8 @@ from flax import nnx
 
 from jaxserve.layers.activation import ACTIVATIONS
 from jaxserve.layers.attention import AttentionMetadata, paged_attention
-from jaxserve.models.llama import _linear, _param
+from jaxserve.layers.linear import kernel_params, linear
+from jaxserve.models.llama import _param
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class OPTArgs:
     bias: bool  # biases on the attention and MLP projections
     activation: str
     tie_word_embeddings: bool
+    quantization: str | None = None  # of the layers' projections (layers/linear.py)
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -125,7 +127,10 @@ class OPTLayers(nnx.Module):
             "fc2": ((m, e), ("mlp", "embed"), ("embed",)),
         }
         for name, (shape, axes, bias_axes) in shapes.items():
-            setattr(self, f"{name}_proj", _param(rngs, (n, *shape), ("layers", *axes), dtype))
+            for suffix, param in kernel_params(
+                rngs, (n, *shape), ("layers", *axes), dtype, a.quantization
+            ).items():
+                setattr(self, f"{name}_proj{suffix}", param)
             if a.bias:
                 bias = _param(rngs, (n, shape[1]), ("layers", *bias_axes), dtype, "zeros")
                 setattr(self, f"{name}_bias", bias)
@@ -175,17 +180,17 @@ class OPTForCausalLM(nnx.Module):
             x, kv_pool = carry
             w, index = xs
             h = norm(x, w, "attn_norm") if a.pre_norm else x
-            q = _linear(h, w, "q").reshape(num_tokens, a.num_heads, a.head_dim)
-            k = _linear(h, w, "k").reshape(num_tokens, a.num_kv_heads, a.head_dim)
-            v = _linear(h, w, "v").reshape(num_tokens, a.num_kv_heads, a.head_dim)
+            q = linear(h, w, "q").reshape(num_tokens, a.num_heads, a.head_dim)
+            k = linear(h, w, "k").reshape(num_tokens, a.num_kv_heads, a.head_dim)
+            v = linear(h, w, "v").reshape(num_tokens, a.num_kv_heads, a.head_dim)
             attn, kv_pool = paged_attention(
                 q, k, v, kv_pool, index, pages_per_layer, meta, sm_scale=a.head_dim**-0.5
             )
-            x = x + _linear(attn.reshape(num_tokens, -1), w, "o")
+            x = x + linear(attn.reshape(num_tokens, -1), w, "o")
             if not a.pre_norm:
                 x = norm(x, w, "attn_norm")
             h = norm(x, w, "mlp_norm") if a.pre_norm else x
-            x = x + _linear(act(_linear(h, w, "fc1")), w, "fc2")
+            x = x + linear(act(linear(h, w, "fc1")), w, "fc2")
             if not a.pre_norm:
                 x = norm(x, w, "mlp_norm")
             return (x, kv_pool), None
