@@ -1,7 +1,8 @@
 """Weight-only quantization: memory, accuracy and decode speed against the unquantized model.
 
-The default model (float32 weights, as the CPU serves it) loaded once per method (`none`, then
-`--quantization int8` and `fp8`), all held at once. Per method:
+The default model (float32 on the CPU) loaded once per method, all held at once: `none` (the
+GGUF dequantized to float32 at load), `gguf` (its own Q4_1 / Q8_0 groups kept), `int8` and `fp8`
+(requantized per output channel from the dequantized weights). Per method:
 - weight bytes in memory (every parameter's bytes), as a ratio to `none`;
 - accuracy on a fixed English text, teacher-forced through the public API (prompt_logprobs=1):
   perplexity, and how often the most likely next token is the unquantized model's;
@@ -112,7 +113,7 @@ def run(ns) -> dict:
     for method in ns.methods:
         llms[method] = LLM(
             model,
-            quantization=None if method == "none" else method,
+            quantization=method,
             dtype="float32",
             max_model_len=ns.max_model_len,
             max_num_seqs=max(ns.batches),
@@ -155,7 +156,10 @@ def run(ns) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/quantization.py", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--methods", nargs="+", default=["none", "int8", "fp8"], choices=["none", "int8", "fp8"]
+        "--methods",
+        nargs="+",
+        default=["none", "gguf", "int8", "fp8"],
+        choices=["none", "gguf", "int8", "fp8"],
     )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--tokens", type=int, default=64, help="Tokens generated per request.")

@@ -224,15 +224,15 @@ class EngineArgs:
         choices=("auto", "vllm", "transformers"),
         supported=("auto", "vllm"),
     )
-    # GGUF checkpoints are dequantized at load, so naming their format is honoured.
     quantization: str | None = arg(
         G.MODEL,
         None,
         "Weight quantization method: int8 or fp8 (weight-only, one scale per output channel, "
-        "quantized at load); gguf (a .gguf file's own).",
+        "quantized at load); gguf (a .gguf file's own Q8_0 / Q4_0 / Q4_1 / Q4_K groups, the "
+        "default for .gguf files); none (dequantize a .gguf file at load).",
         tier="B",
         short="-q",
-        supported=(None, "gguf", "int8", "fp8"),
+        supported=(None, "gguf", "int8", "fp8", "none"),
     )
     disable_sliding_window: bool = arg(
         G.MODEL, False, "Cap max_model_len at the model's sliding window (jaxserve applies no window)."

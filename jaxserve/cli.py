@@ -152,6 +152,10 @@ def convert(engine_args: EngineArgs, output: str) -> str:
     hf_config = dict(mc.hf_config)
     if mc.quantization is not None:  # serving the directory knows it from its config.json
         hf_config["quantization_config"] = {"quant_method": CONVERTED_QUANT_METHOD.format(mc.quantization)}
+        if mc.quantization == "gguf":
+            from jaxserve.loader.gguf import gguf_kernel_formats
+
+            hf_config["quantization_config"]["kernel_formats"] = gguf_kernel_formats(mc.model)
     save_converted(output, state, hf_config, load_tokenizer(mc), source_dir, mc.dtype)
     return output
 

@@ -145,7 +145,7 @@ def model_config_from_args(args) -> ModelConfig:
     from jaxserve.models.registry import resolve_architecture
 
     resolve_architecture(hf_config)  # refuse unknown architectures before anything loads
-    quantization = _weight_quantization(hf_config, args.quantization)
+    quantization = _weight_quantization(hf_config, args.quantization, is_gguf)
     if args.dtype == "auto":
         dtype = "float32" if platform() == "cpu" else _checkpoint_dtype(hf_config)
         if dtype == "float32" and platform() != "cpu":
@@ -196,21 +196,26 @@ def model_config_from_args(args) -> ModelConfig:
 CONVERTED_QUANT_METHOD = "jaxserve-{}"
 
 
-def _weight_quantization(hf_config: dict, flag: str | None) -> str | None:
-    """The weight quantization to serve with ("int8", "fp8" or None): --quantization's, or what a
-    converted checkpoint was saved with. A checkpoint quantized by a method jaxserve cannot
-    serve is refused, naming the method."""
+def _weight_quantization(hf_config: dict, flag: str | None, is_gguf: bool) -> str | None:
+    """The weight quantization to serve with ("int8", "fp8", "gguf" or None): --quantization's,
+    what a converted checkpoint was saved with, or a GGUF file's own groups unless `none` asks
+    for it dequantized. A checkpoint quantized by a method jaxserve cannot serve is refused,
+    naming the method."""
+    if is_gguf and flag in (None, "gguf"):
+        return "gguf"
     from jaxserve.layers.linear import WEIGHT_QUANTIZATIONS
 
     method = (hf_config.get("quantization_config") or {}).get("quant_method")
-    saved = next((q for q in WEIGHT_QUANTIZATIONS if method == CONVERTED_QUANT_METHOD.format(q)), None)
+    saved = next(
+        (q for q in (*WEIGHT_QUANTIZATIONS, "gguf") if method == CONVERTED_QUANT_METHOD.format(q)), None
+    )
     if method is not None and saved is None:
         raise ValueError(
             f"The checkpoint is quantized with {method!r} (config.json quantization_config), which "
             f"jaxserve cannot serve yet; supported: unquantized checkpoints with --quantization "
             f"{' or '.join(WEIGHT_QUANTIZATIONS)}, and GGUF files."
         )
-    if saved is not None:
+    if saved is not None:  # (a converted GGUF keeps its groups)
         if flag not in (None, saved):
             raise ValueError(
                 f"--quantization {flag} does not match the checkpoint, which was converted with "

@@ -10,6 +10,14 @@ norms and biases keep the model's dtype, as in vLLM's weight-only schemes.
 
 A quantized kernel `q_proj` comes with a `q_proj_scale` parameter beside it (logical axes: the
 kernel's without the input axis, so tensor parallelism shards the scales with their channels).
+
+A GGUF file's quantized projections are served in their own groups of 32 inputs (`q8`: Q8_0's
+int8 values and a scale per group; `q4`: Q4_0, Q4_1 and Q4_K's 4-bit values with a scale and a
+min per group, w = q * scale + min). 4-bit values are kept two per byte: the byte of row
+64b + t holds that row (low nibble) and row 64b + 32 + t (high nibble), so each nibble is a
+whole group and the two halves of the input feed two dots whose results add; XLA:CPU then
+unpacks inside each layer's fused convert, as fast as int8 (benchmarks/quantized_matmul.py).
+Their scales and mins are [..., in / 64, 2, out]: pairs of groups, the low nibbles' first.
 """
 
 from __future__ import annotations
@@ -27,6 +35,9 @@ WEIGHT_QUANTIZATIONS: dict[str, tuple[np.dtype, float]] = {
     "fp8": (np.dtype(jnp.float8_e4m3fn), 448.0),
 }
 SCALE_SUFFIX = "_scale"
+MIN_SUFFIX = "_min"
+GROUP = 32  # inputs per group of a GGUF format
+GROUPED_FORMATS = ("q8", "q4")
 
 
 def kernel_params(
@@ -38,6 +49,8 @@ def kernel_params(
     if quantization is None:
         value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
         return {"": nnx.Param(value, logical_axes=axes)}
+    if quantization in GROUPED_FORMATS:
+        return _grouped_params(rngs, shape, axes, quantization)
     stored, qmax = WEIGHT_QUANTIZATIONS[quantization]
     unit = jax.random.normal(rngs.params(), shape, jnp.float32)  # values of ~qmax/4 spread
     values = jnp.clip(unit * qmax / 4, -qmax, qmax)
@@ -49,16 +62,66 @@ def kernel_params(
     }
 
 
+def _grouped_params(rngs: nnx.Rngs, shape, axes, fmt: str) -> dict[str, nnx.Param]:
+    *lead, d_in, d_out = shape
+    unit = jax.random.normal(rngs.params(), shape, jnp.float32)
+    if fmt == "q8":
+        values = jnp.round(jnp.clip(unit * 32, -127, 127)).astype(jnp.int8)
+        scale = jnp.full((*lead, d_in // GROUP, d_out), 0.02 / 32, jnp.float32)
+        return {"": nnx.Param(values, logical_axes=axes), SCALE_SUFFIX: nnx.Param(scale, logical_axes=axes)}
+    if d_in % (2 * GROUP):
+        raise ValueError(f"4-bit GGUF kernels need a multiple of {2 * GROUP} inputs, got {d_in}.")
+    packed = jax.random.randint(rngs.params(), (*lead, d_in // 2, d_out), 0, 256).astype(jnp.uint8)
+    group_shape, group_axes = (*lead, d_in // (2 * GROUP), 2, d_out), (*axes[:-1], None, axes[-1])
+    return {
+        "": nnx.Param(packed, logical_axes=axes),
+        SCALE_SUFFIX: nnx.Param(jnp.full(group_shape, 0.006, jnp.float32), logical_axes=group_axes),
+        MIN_SUFFIX: nnx.Param(jnp.full(group_shape, -0.045, jnp.float32), logical_axes=group_axes),
+    }
+
+
+def _groups(values: jax.Array, scale: jax.Array, mins: jax.Array | None) -> jax.Array:
+    """Group-quantized values [in, out] (groups of GROUP rows) with their [in / GROUP, out]
+    scales (and mins) -> float32."""
+    d_in, d_out = values.shape
+    w = values.astype(jnp.float32).reshape(d_in // GROUP, GROUP, d_out) * scale[:, None]
+    return (w if mins is None else w + mins[:, None]).reshape(d_in, d_out)
+
+
 def linear(x: jax.Array, w: Mapping[str, jax.Array], name: str) -> jax.Array:
     """x @ w[name_proj] (+ w[name_bias]); a quantized kernel is dequantized in the matmul."""
     kernel = w[f"{name}_proj"]
     scale = w.get(f"{name}_proj{SCALE_SUFFIX}")
     if scale is None:
         y = x @ kernel
-    else:
+    elif scale.ndim < kernel.ndim:  # one scale per output channel
         y = (jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32) * scale).astype(x.dtype)
+    elif scale.ndim == kernel.ndim:  # q8: int8 in groups of 32 inputs
+        y = jnp.dot(x.astype(jnp.float32), _groups(kernel, scale, None)).astype(x.dtype)
+    else:  # q4: two 4-bit values a byte, each nibble a half of the groups
+        mins = w[f"{name}_proj{MIN_SUFFIX}"]
+        xs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2, GROUP)  # [..., in / 64, 2, 32]
+        halves = [(kernel & 15, xs[..., 0, :]), (kernel >> 4, xs[..., 1, :])]
+        y = sum(
+            jnp.dot(part.reshape(*x.shape[:-1], -1), _groups(nibble, scale[:, i], mins[:, i]))
+            for i, (nibble, part) in enumerate(halves)
+        ).astype(x.dtype)
     bias = w.get(f"{name}_bias")
     return y if bias is None else y + bias
+
+
+def pack_q4(values: np.ndarray, scale: np.ndarray, mins: np.ndarray):
+    """Host-side: 4-bit values [..., in, out] (one per byte) with scales and mins [..., in / 32,
+    out] -> the served layout (see the module docstring): bytes [..., in / 2, out] and scales
+    and mins [..., in / 64, 2, out]."""
+    *lead, d_in, d_out = values.shape
+    pairs = values.reshape(*lead, d_in // (2 * GROUP), 2, GROUP, d_out)
+    packed = (pairs[..., 0, :, :] | (pairs[..., 1, :, :] << 4)).reshape(*lead, d_in // 2, d_out)
+
+    def split(groups):
+        return groups.reshape(*lead, d_in // (2 * GROUP), 2, d_out)
+
+    return packed.astype(np.uint8), split(scale), split(mins)
 
 
 def quantize_kernel(kernel: np.ndarray, quantization: str) -> tuple[np.ndarray, np.ndarray]:

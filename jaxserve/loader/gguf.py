@@ -7,7 +7,10 @@ transformers fast tokenizer (with the file's chat template) for tokenization and
 Nothing downstream needs to know the weights came from a GGUF.
 
 Quantized blocks are dequantized to float32 here, once, on the host; the model then casts to its
-serving dtype like any other checkpoint.
+serving dtype like any other checkpoint. The decoder projections whose every layer is stored in
+Q8_0, or every layer in Q4_0 / Q4_1 / Q4_K, can instead be read as their groups
+(`GroupQuantized`: integer values, a scale and a min per 32 inputs) to be served quantized
+(layers/linear.py).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType, ReaderField, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 from gguf.quants import dequantize
 from tqdm import tqdm
 
@@ -104,8 +107,57 @@ def read_gguf_config(path: str) -> dict:
     return config
 
 
-def iter_gguf_tensors(path: str, use_tqdm: bool = True) -> Iterator[tuple[str, np.ndarray]]:
-    """Every model tensor as ``(hf_name, float32 array)`` in Hugging Face layout, in file order.
+@dataclass(frozen=True)
+class GroupQuantized:
+    """A projection stored in groups of 32 inputs, in Hugging Face's [out, in] layout: integer
+    values (int8 for Q8_0; 0..15 as uint8 for the 4-bit formats) and per group a float32 scale
+    and, for the 4-bit formats, a min: w = values * scale (+ min)."""
+
+    values: np.ndarray  # [out, in]
+    scale: np.ndarray  # [out, in / 32]
+    min: np.ndarray | None  # [out, in / 32]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    def map(self, fn) -> GroupQuantized:
+        """fn applied to the values, the scales and the mins alike (e.g. a transpose)."""
+        return GroupQuantized(fn(self.values), fn(self.scale), None if self.min is None else fn(self.min))
+
+
+_Q = GGMLQuantizationType
+_GROUP_FORMATS = {_Q.Q8_0: "q8", _Q.Q4_0: "q4", _Q.Q4_1: "q4", _Q.Q4_K: "q4"}
+
+
+def gguf_kernel_formats(path: str) -> dict[str, str]:
+    """HF projection names (``self_attn.q_proj`` ...) whose tensors are group-quantized in the
+    same format ("q8" or "q4") in every layer, with a multiple of 64 inputs a row for 4 bits.
+    Kept in the file cache: a warm start never parses the header."""
+    formats = file_cache.read_json(path, "kernel-formats")
+    if formats is None:
+        formats = _kernel_formats(_open(path))
+        file_cache.write_json(path, "kernel-formats", formats)
+    return formats
+
+
+def _kernel_formats(reader: GGUFReader) -> dict[str, str]:
+    seen: dict[str, set[str | None]] = {}
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in _BLOCK_TENSORS and parts[3] == "weight":
+            fmt = _GROUP_FORMATS.get(tensor.tensor_type)
+            if fmt == "q4" and int(tensor.shape[0]) % 64:
+                fmt = None
+            seen.setdefault(_BLOCK_TENSORS[parts[2]], set()).add(fmt)
+    return {name: fmts.pop() for name, fmts in seen.items() if len(fmts) == 1 and None not in fmts}
+
+
+def iter_gguf_tensors(
+    path: str, use_tqdm: bool = True, grouped: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, np.ndarray | GroupQuantized]]:
+    """Every model tensor as ``(hf_name, float32 array)`` in Hugging Face layout, in file order;
+    the projections named in `grouped` (as gguf_kernel_formats names them) as GroupQuantized.
 
     The file is opened and every tensor name checked before the first tensor is yielded, so a bad
     file fails at the call, not halfway through loading.
@@ -115,7 +167,7 @@ def iter_gguf_tensors(path: str, use_tqdm: bool = True) -> Iterator[tuple[str, n
     config = _hf_config(reader, path)
     names = [_hf_tensor_name(tensor.name, path) for tensor in reader.tensors]
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    return _iter_tensors(reader, names, arch, heads, path, use_tqdm)
+    return _iter_tensors(reader, names, arch, heads, path, use_tqdm, grouped)
 
 
 def load_gguf_tokenizer(path: str) -> FastTokenizer:
@@ -309,16 +361,65 @@ def _iter_tensors(
     heads: dict[str, int],
     path: str,
     use_tqdm: bool,
-) -> Iterator[tuple[str, np.ndarray]]:
+    grouped: frozenset[str],
+) -> Iterator[tuple[str, np.ndarray | GroupQuantized]]:
     tensors = tqdm(reader.tensors, desc="Loading GGUF", unit="tensor", disable=not use_tqdm)
     for tensor, hf_name in zip(tensors, names, strict=True):
         if hf_name is None:
             continue
-        weights = _dequantize(tensor, path)
         kind = tensor.name.split(".")[-2]
+        if hf_name.endswith(".weight") and ".".join(hf_name.split(".")[-3:-1]) in grouped:
+            weights = _groups(tensor, path)
+            if arch.permute_qk and kind in heads:  # rows are output channels in every part
+                n, name = heads[kind], tensor.name
+                weights = weights.map(lambda a, n=n, name=name: _unpermute_rows(a, n, name, path))
+            yield hf_name, weights
+            continue
+        weights = _dequantize(tensor, path)
         if arch.permute_qk and kind in heads:
             weights = _unpermute_rows(weights, heads[kind], tensor.name, path)
         yield hf_name, weights
+
+
+def _groups(tensor: ReaderTensor, path: str) -> GroupQuantized:
+    """A Q8_0 / Q4_0 / Q4_1 / Q4_K tensor's blocks as its groups of 32 (ggml's block layouts:
+    a float16 scale (and min) then the values; Q4_K's 256-value super-blocks carry 6-bit
+    scales and mins for eight groups, times float16 super-scales)."""
+    rows, kind = int(tensor.shape[-1]), tensor.tensor_type
+    data = np.asarray(tensor.data).reshape(rows, -1)
+
+    def f16(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a).view(np.float16).astype(np.float32)
+
+    def nibbles(qs: np.ndarray, run: int) -> np.ndarray:
+        """Runs of `run` bytes: their low nibbles, then their high nibbles."""
+        qs = qs.reshape(*qs.shape[:-1], -1, 1, run) >> np.array([0, 4], np.uint8).reshape(2, 1)
+        return (qs & np.uint8(15)).reshape(*qs.shape[:-3], -1)
+
+    if kind == _Q.Q8_0:
+        blocks = data.reshape(rows, -1, 34)
+        return GroupQuantized(
+            np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, -1),
+            f16(blocks[..., :2])[..., 0],
+            None,
+        )
+    if kind in (_Q.Q4_0, _Q.Q4_1):
+        size = 18 if kind == _Q.Q4_0 else 20
+        blocks = data.reshape(rows, -1, size)
+        d = f16(blocks[..., :2])[..., 0]
+        m = -8 * d if kind == _Q.Q4_0 else f16(blocks[..., 2:4])[..., 0]
+        return GroupQuantized(nibbles(blocks[..., size - 16 :], 16).reshape(rows, -1), d, m)
+    if kind == _Q.Q4_K:
+        from gguf.quants import Q4_K
+
+        blocks = data.reshape(rows, -1, 144)
+        d, dmin = f16(blocks[..., 0:2]), f16(blocks[..., 2:4])  # [rows, n, 1]
+        sc, mn = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
+        sc, mn = sc.reshape(*d.shape[:-1], 8), mn.reshape(*d.shape[:-1], 8)
+        scale = (d * sc.astype(np.float32)).reshape(rows, -1)
+        mins = -(dmin * mn.astype(np.float32)).reshape(rows, -1)
+        return GroupQuantized(nibbles(blocks[..., 16:], 32).reshape(rows, -1), scale, mins)
+    raise ValueError(f"{path}: tensor {tensor.name!r} ({kind.name}) is not stored in groups of 32")
 
 
 def _dequantize(tensor: ReaderTensor, path: str) -> np.ndarray:

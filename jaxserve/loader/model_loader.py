@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig, ParallelConfig
-from jaxserve.layers.linear import SCALE_SUFFIX, quantize_kernel
+from jaxserve.layers.linear import MIN_SUFFIX, SCALE_SUFFIX, pack_q4, quantize_kernel
 from jaxserve.loader import file_cache
 from jaxserve.models.registry import resolve_architecture
 from jaxserve.sharding import named_sharding, state_shardings
@@ -28,9 +28,26 @@ from jaxserve.sharding import named_sharding, state_shardings
 def build_model_args(model_config: ModelConfig, parallel: ParallelConfig | None = None):
     _, entry = resolve_architecture(model_config.hf_config)
     args = entry.make_args(model_config.hf_config, model_config.max_model_len)
-    if model_config.quantization is not None:  # the layers' projections stored quantized
-        args = dataclasses.replace(args, quantization=model_config.quantization)
     tp = parallel.tensor_parallel_size if parallel is not None else 1
+    if model_config.quantization == "gguf":  # projections served in the file's own groups
+        from jaxserve.loader.gguf import gguf_kernel_formats
+
+        saved = (model_config.get("quantization_config") or {}).get("kernel_formats")  # converted
+        formats = saved if saved is not None else gguf_kernel_formats(model_config.model)
+        formats = {hf.split(".")[-1]: fmt for hf, fmt in formats.items()}
+        # the projections split by input under tensor parallelism: whole groups (4 bits: pairs) each
+        split_inputs = {"o_proj": args.num_heads * args.head_dim, "down_proj": args.intermediate_size}
+        for name, inputs in split_inputs.items():
+            rows = {"q4": 64, "q8": 32}.get(formats.get(name), 0)
+            if rows and (inputs // rows) % tp:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} does not split the GGUF groups of {name} ({inputs} "
+                    f"inputs, {inputs // rows} groups of {rows}); serve the file with --quantization "
+                    "none (dequantized) or another tensor_parallel_size."
+                )
+        args = dataclasses.replace(args, kernel_formats=tuple(sorted(formats.items())))
+    elif model_config.quantization is not None:  # the layers' projections quantized at load
+        args = dataclasses.replace(args, quantization=model_config.quantization)
     moe = getattr(args, "moe", None)  # expert parallelism means something only to MoE models
     if moe is not None and parallel is not None and parallel.enable_expert_parallel:
         if moe.num_experts % tp:
@@ -81,12 +98,17 @@ def _kv_axis(var) -> int | None:
     return axes.index("kv_heads") if "kv_heads" in axes else None
 
 
-def _checkpoint_tensors(model_config: ModelConfig) -> Iterable[tuple[str, np.ndarray]]:
+def _checkpoint_tensors(model_config: ModelConfig, args) -> Iterable[tuple[str, np.ndarray]]:
     use_tqdm = model_config.use_tqdm_on_load
     if model_config.load_format == "gguf":
-        from jaxserve.loader.gguf import iter_gguf_tensors
+        from jaxserve.loader.gguf import gguf_kernel_formats, iter_gguf_tensors
 
-        return iter_gguf_tensors(model_config.model, use_tqdm=use_tqdm)
+        grouped = (
+            frozenset(gguf_kernel_formats(model_config.model))
+            if getattr(args, "kernel_formats", ())
+            else frozenset()
+        )
+        return iter_gguf_tensors(model_config.model, use_tqdm=use_tqdm, grouped=grouped)
     from jaxserve.loader.safetensors import iter_safetensors
 
     return iter_safetensors(model_config.model, use_tqdm=use_tqdm)
@@ -114,12 +136,18 @@ def load_model(
         return graphdef, _restore_orbax(model_config, entry, args, abstract, mesh, expert_parallel)
 
     flat = dict(nnx.to_flat_state(abstract))
-    paths = {".".join(map(str, key)) for key in flat}
-    quantized = {p.removesuffix(SCALE_SUFFIX) for p in paths if p.endswith(SCALE_SUFFIX)}
-    paths -= {p + SCALE_SUFFIX for p in quantized}  # (made below, not read)
+    values = {".".join(map(str, key)): var.value for key, var in flat.items()}
+    # kernels to quantize here, per output channel (a file's own groups are read as they are)
+    quantized = {
+        p.removesuffix(SCALE_SUFFIX)
+        for p, v in values.items()
+        if p.endswith(SCALE_SUFFIX) and v.ndim == values[p.removesuffix(SCALE_SUFFIX)].ndim - 1
+    }
+    paths = set(values) - {p + SCALE_SUFFIX for p in quantized}  # (made below, not read)
     buffers = None
     if model_config.load_format == "gguf":  # dequantized and stacked once, then read back mapped
-        cached_as = f"weights-kv{getattr(args, 'kv_head_copies', 1)}"
+        grouped = "-groups" if getattr(args, "kernel_formats", ()) else ""
+        cached_as = f"weights-kv{getattr(args, 'kv_head_copies', 1)}{grouped}"
         buffers = file_cache.read_arrays(model_config.model, cached_as, paths)
     if buffers is None:
         buffers = _read_buffers(model_config, entry, args, flat)
@@ -140,11 +168,13 @@ def load_model(
 
 def _read_buffers(model_config: ModelConfig, entry, args, flat: dict) -> dict[str, np.ndarray]:
     """Every parameter as one host array (layers stacked), by dotted parameter path."""
+    from jaxserve.loader.gguf import GroupQuantized
+
     copies = getattr(args, "kv_head_copies", 1)
     buffers: dict[str, np.ndarray] = {}
     filled: set[str] = set()
     weight_map = entry.model_cls.hf_weight_map(args)
-    tensors = _checkpoint_tensors(model_config)
+    tensors = _checkpoint_tensors(model_config, args)
     if entry.split_tensors is not None:
         tensors = (pair for name, t in tensors for pair in entry.split_tensors(name, t, args))
     for name, tensor in tensors:
@@ -158,6 +188,18 @@ def _read_buffers(model_config: ModelConfig, entry, args, flat: dict) -> dict[st
         index = () if index is None else index if isinstance(index, tuple) else (index,)
         key = tuple(path.split("."))
         target = flat[key].value
+        if isinstance(tensor, GroupQuantized):  # kept in its groups: stacked, then packed below
+            _stack_groups(
+                buffers,
+                path,
+                index,
+                tensor.map(lambda a: a.T) if transpose else tensor,
+                target,
+                copies if _kv_axis(flat[key]) is not None else 1,
+                args.head_dim,
+            )
+            filled.add(name)
+            continue
         tensor = tensor.T if transpose else tensor
         kv_axis = _kv_axis(flat[key])
         if kv_axis is not None:
@@ -176,12 +218,34 @@ def _read_buffers(model_config: ModelConfig, entry, args, flat: dict) -> dict[st
                 buf = buffers[path] = np.empty(target.shape, dtype=tensor.dtype)
             buf[index] = tensor
         filled.add(name)
+    for path in [p for p in buffers if p.endswith(MIN_SUFFIX)]:  # 4-bit groups: two values a byte
+        kernel = path.removesuffix(MIN_SUFFIX)
+        parts = (buffers[kernel], buffers[kernel + SCALE_SUFFIX], buffers[path])
+        buffers[kernel], buffers[kernel + SCALE_SUFFIX], buffers[path] = pack_q4(*parts)
     missing = sorted(n for n in weight_map if n not in filled)
     if missing:
         raise ValueError(
             f"Checkpoint {model_config.model} lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}."
         )
     return buffers
+
+
+def _stack_groups(buffers: dict, path: str, index: tuple, groups, target, copies: int, head_dim: int) -> None:
+    """One layer's GroupQuantized kernel [in, out] into the stacked host buffers of its values,
+    scales and mins (KV heads repeated along the output axis as for float kernels)."""
+    if copies > 1:
+        groups = groups.map(lambda a: repeat_kv_heads(a, a.ndim - 1, copies, head_dim))
+    want = target.shape[len(index) :]
+    packed = groups.min is not None  # 4-bit: the model holds two values a byte
+    if groups.shape != ((2 * want[0], want[1]) if packed else tuple(want)):
+        raise ValueError(f"{path}: a quantized tensor of shape {groups.shape} does not fit {tuple(want)}.")
+    parts = {path: groups.values, path + SCALE_SUFFIX: groups.scale}
+    if packed:
+        parts[path + MIN_SUFFIX] = groups.min
+    for name, part in parts.items():
+        if name not in buffers:
+            buffers[name] = np.empty(target.shape[: len(index)] + part.shape, part.dtype)
+        buffers[name][index] = part
 
 
 def _restore_orbax(model_config, entry, args, abstract, mesh, expert_parallel):

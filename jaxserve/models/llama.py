@@ -67,8 +67,10 @@ class LlamaArgs:
     # Tensor parallelism over more devices than the checkpoint has KV heads: each KV head is
     # stored this many times (num_kv_heads counts the copies), so every device holds whole heads.
     kv_head_copies: int = 1
-    # Weight-only quantization of the layers' projections (layers/linear.py): "int8", "fp8" or None.
+    # Weight-only quantization of the layers' projections (layers/linear.py): "int8", "fp8" or None;
+    # a GGUF file's own formats per projection ("q_proj" -> "q8" or "q4") take precedence.
     quantization: str | None = None
+    kernel_formats: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_hf(cls, hf: Mapping, max_model_len: int) -> LlamaArgs:
@@ -128,8 +130,11 @@ class LlamaLayers(nnx.Module):
         n, e, m = a.num_layers, a.hidden_size, a.intermediate_size
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
 
+        formats = dict(a.kernel_formats)
+
         def kernel(name: str, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> None:
-            for suffix, param in kernel_params(rngs, shape, axes, dtype, a.quantization).items():
+            fmt = formats.get(name, a.quantization)
+            for suffix, param in kernel_params(rngs, shape, axes, dtype, fmt).items():
                 setattr(self, name + suffix, param)
 
         self.input_norm = _param(rngs, (n, e), ("layers", "norm"), dtype, "ones")

@@ -266,7 +266,11 @@ def test_second_load_reads_the_file_cache_not_the_gguf(tmp_path, monkeypatch):
 
     first = load()
     entries = list((tmp_path / "cache" / "jaxserve" / "files").iterdir())
-    assert len(entries) == 1 and {p.name for p in entries[0].iterdir()} == {"config", "weights-kv1"}
+    assert len(entries) == 1 and {p.name for p in entries[0].iterdir()} == {
+        "config",
+        "kernel-formats",
+        "weights-kv1",
+    }
 
     def refuse(*args, **kwargs):
         raise AssertionError("the GGUF was read again")

@@ -14,6 +14,8 @@ import gguf
 import numpy as np
 from tiny_models import TINY_LLAMA
 
+from jaxserve.loader.gguf import _unpermute_rows
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -94,6 +96,7 @@ def write_tiny_gguf(
     extra_tensors: dict[str, np.ndarray] | None = None,
     seed: int = 0,
     ffn_down_type: gguf.GGMLQuantizationType | None = None,
+    proj_type: gguf.GGMLQuantizationType | None = None,
 ) -> TinyGguf:
     """A 2-layer llama GGUF with a tokenizer: F32 tensors plus a Q8_0 embedding.
 
@@ -101,7 +104,8 @@ def write_tiny_gguf(
     ``ffn_down_type`` stores every ``ffn_down`` (rows of 256 values, one K-quant block) in
     that type: quantized from the float values where the gguf package can quantize it,
     else random blocks of that type (K-quants); either way the expected tensor is what the
-    gguf package dequantizes the stored blocks to.
+    gguf package dequantizes the stored blocks to. ``proj_type`` stores every other attention
+    and MLP projection quantized in that type (the gguf package quantizing), likewise.
     """
     rng = np.random.default_rng(seed)
     vocab_meta = gpt2_tokenizer_metadata() if tokenizer == "gpt2" else llama_tokenizer_metadata()
@@ -109,7 +113,7 @@ def write_tiny_gguf(
     hidden, layers = TINY_LLAMA["hidden_size"], TINY_LLAMA["num_hidden_layers"]
     heads, kv_heads = TINY_LLAMA["num_attention_heads"], TINY_LLAMA["num_key_value_heads"]
     rms_norm_eps, vocab = TINY_LLAMA["rms_norm_eps"], len(tokens)
-    inter = 96 if ffn_down_type is None else 256
+    inter = 96 if ffn_down_type is None and proj_type is None else 256
     head_dim = hidden // heads
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -162,6 +166,14 @@ def write_tiny_gguf(
     def add(hf_name: str, gguf_name: str, value: np.ndarray, heads_to_permute: int = 0) -> None:
         expected[hf_name] = value
         stored = llama_cpp_permute(value, heads_to_permute) if heads_to_permute else value
+        if proj_type is not None and value.ndim == 2 and "layers" in hf_name:
+            blocks = gguf.quants.quantize(np.ascontiguousarray(stored), proj_type)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=proj_type)
+            value = gguf.quants.dequantize(blocks, proj_type)
+            expected[hf_name] = (
+                _unpermute_rows(value, heads_to_permute, hf_name, path) if heads_to_permute else value
+            )
+            return
         writer.add_tensor(gguf_name, np.ascontiguousarray(stored))
 
     embed = rng.standard_normal((vocab, hidden), dtype=np.float32)
