@@ -78,3 +78,43 @@ def test_a_tensor_parallel_size_that_would_split_a_group_is_refused(quantized_gg
     )
     with pytest.raises(ValueError, match=message):
         build_model_args(config, ParallelConfig(tensor_parallel_size=2))
+
+
+TP_SCRIPT = """
+import json, sys
+import numpy as np
+from tiny_models import engine_kwargs
+from jaxserve import LLM, SamplingParams
+
+path, report = sys.argv[1], {}
+for tp in (1, 3):
+    llm = LLM(path, **engine_kwargs(tensor_parallel_size=tp, max_model_len=256))
+    flat = {".".join(map(str, k)): v.value for k, v in llm.llm_engine.runner.state.flat_state()}
+    shards = {p: sorted({tuple(s.data.shape) for s in flat[p].addressable_shards})
+              for p in ("layers.o_proj", "layers.o_proj_scale", "layers.down_proj_min", "layers.q_proj")}
+    outs = llm.generate(["The capital of France is", "def fibonacci(n):"],
+                        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    report[tp] = {"tokens": [o.outputs[0].token_ids for o in outs], "shards": shards,
+                  "dtype": str(flat["layers.o_proj"].dtype)}
+    del llm
+print(json.dumps(report))
+"""
+
+
+def test_the_default_models_4bit_groups_split_over_three_devices(default_gguf):
+    """SmolLM2's 9 heads and 3 KV heads split over 3 (fake) devices: each holds a third of every
+    packed kernel and of its group scales (o_proj and down_proj by input, whole pairs of groups
+    each), and greedy tokens are those of one device."""
+    import json
+
+    from tiny_models import run_on_fake_devices
+
+    report = json.loads(run_on_fake_devices(TP_SCRIPT, default_gguf, devices=3).strip().splitlines()[-1])
+    one, three = report["1"], report["3"]
+    assert one["dtype"] == three["dtype"] == "uint8"
+    assert three["tokens"] == one["tokens"]
+    layers = 30
+    assert three["shards"]["layers.o_proj"] == [[layers, 576 // 2 // 3, 576]]  # 576 inputs, two a byte
+    assert three["shards"]["layers.o_proj_scale"] == [[layers, 9 // 3, 2, 576]]  # 9 pairs of groups
+    assert three["shards"]["layers.down_proj_min"] == [[layers, 24 // 3, 2, 576]]
+    assert three["shards"]["layers.q_proj"] == [[layers, 576 // 2, 576 // 3]]  # split by output
