@@ -1,9 +1,12 @@
-"""Weight-only quantization: memory, accuracy and decode speed against the unquantized model.
+"""Quantization: memory, accuracy and decode speed against the unquantized model.
 
 The default model (float32 on the CPU) loaded once per method, all held at once: `none` (the
 GGUF dequantized to float32 at load), `gguf` (its own Q4_1 / Q8_0 groups kept), `int8` and `fp8`
-(requantized per output channel from the dequantized weights). Per method:
-- weight bytes in memory (every parameter's bytes), as a ratio to `none`;
+(weights requantized per output channel from the dequantized weights), and `kv-<dtype>` (float32
+weights, the KV cache in int8, fp8 or fp8_e5m2 pages: --kv-cache-dtype, scales as the engine
+picks them by default). Per method:
+- weight bytes in memory (every parameter's bytes), and KV-cache tokens in the same KV budget,
+  as ratios to `none`;
 - accuracy on a fixed English text, teacher-forced through the public API (prompt_logprobs=1):
   perplexity, and how often the most likely next token is the unquantized model's;
 - decode throughput at each batch size: B prompts of 32 tokens generate T tokens (EOS ignored),
@@ -11,7 +14,7 @@ GGUF dequantized to float32 at load), `gguf` (its own Q4_1 / Q8_0 groups kept), 
   difference. The methods alternate within each round; the median round is reported, with its
   ratio to `none` measured in the same round.
 
-    python benchmarks/quantization.py [--methods none int8 fp8] [--batches 1 32] [--tokens 64]
+    python benchmarks/quantization.py [--methods none int8 kv-int8] [--batches 1 32] [--tokens 64]
         [--rounds 3] [--model GGUF] [--output-json FILE]
 """
 
@@ -26,6 +29,8 @@ import time
 from collections.abc import Sequence
 
 DEFAULT_MODEL = "~/.cache/jaxserve/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+WEIGHT_METHODS = ("none", "gguf", "int8", "fp8")
+KV_METHODS = ("kv-int8", "kv-fp8", "kv-fp8_e5m2")
 
 # The fixed text for perplexity: plain expository English, written for this benchmark.
 TEXT = (
@@ -74,6 +79,11 @@ def _weight_bytes(llm) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(llm.llm_engine.runner.state))
 
 
+def _kv_bytes_per_token(llm) -> float:
+    spec = llm.llm_engine.runner.kv_spec
+    return spec.bytes_per_block / spec.page_size
+
+
 def _accuracy(llm, ids: list[int]) -> tuple[float, list[int]]:
     """(mean negative log-likelihood of the text, the most likely token at each position)."""
     from jaxserve import SamplingParams
@@ -111,9 +121,11 @@ def run(ns) -> dict:
     model = os.path.expanduser(ns.model)
     llms = {}
     for method in ns.methods:
+        kv = method.removeprefix("kv-") if method in KV_METHODS else "auto"
         llms[method] = LLM(
             model,
-            quantization=method,
+            quantization="none" if method in KV_METHODS else method,
+            kv_cache_dtype=kv,
             dtype="float32",
             max_model_len=ns.max_model_len,
             max_num_seqs=max(ns.batches),
@@ -132,6 +144,7 @@ def run(ns) -> dict:
         report["methods"][m] = {
             "weight_bytes": _weight_bytes(llm),
             "weight_bytes_ratio": _weight_bytes(llm) / _weight_bytes(llms[base]),
+            "kv_tokens_ratio": _kv_bytes_per_token(llms[base]) / _kv_bytes_per_token(llm),
             "perplexity": math.exp(nll),
             "perplexity_ratio": math.exp(nll - accuracy[base][0]),
             "top1_agreement": same,
@@ -158,8 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--methods",
         nargs="+",
-        default=["none", "gguf", "int8", "fp8"],
-        choices=["none", "gguf", "int8", "fp8"],
+        default=[*WEIGHT_METHODS, *KV_METHODS],
+        choices=[*WEIGHT_METHODS, *KV_METHODS],
     )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--tokens", type=int, default=64, help="Tokens generated per request.")
@@ -176,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for m, r in report["methods"].items():
         speed = "  ".join(f"b{b} {d['tok_s']:7.1f} tok/s ({d['ratio']:.2f}x)" for b, d in r["decode"].items())
         print(
-            f"{m:5s} weights {r['weight_bytes'] / 2**20:7.1f} MiB ({r['weight_bytes_ratio']:.2f}x)  "
+            f"{m:11s} weights {r['weight_bytes'] / 2**20:7.1f} MiB ({r['weight_bytes_ratio']:.2f}x)  "
+            f"KV tokens {r['kv_tokens_ratio']:.1f}x  "
             f"ppl {r['perplexity']:7.3f} ({r['perplexity_ratio']:.4f}x)  top-1 {r['top1_agreement']:.3f}  {speed}",
             flush=True,
         )

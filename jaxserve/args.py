@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 
 from jaxserve.config import (
@@ -139,10 +140,10 @@ class EngineArgs:
     kv_cache_dtype: str = arg(
         G.CACHE,
         "auto",
-        "KV-cache dtype.",
-        tier="B",
+        "KV-cache dtype: auto (the model's), fp8 (= fp8_e4m3), fp8_e5m2 or int8, each with one key "
+        "and one value scale per layer (--quantization-param-path, --calculate-kv-scales, else 1.0; "
+        "int8 measures them at start-up unless a file gives them).",
         choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"),
-        supported=("auto",),
     )
     enable_prefix_caching: bool = arg(G.CACHE, True, "Reuse KV pages of shared prompt prefixes.")
     prefix_caching_hash_algo: str = arg(
@@ -337,8 +338,16 @@ class EngineArgs:
     worker_extension_cls: str = arg(G.PARALLEL, "", "Worker extension class.", tier="C")
     # ---- CacheConfig, continued
     cpu_offload_gb: float = arg(G.CACHE, 0, "GiB of weights kept in host memory.", tier="B")
-    calculate_kv_scales: bool = arg(G.CACHE, False, "Compute fp8 KV-cache scales on the fly.", tier="B")
-    quantization_param_path: str | None = arg(G.CACHE, None, "fp8 KV-cache scaling factors.", tier="C")
+    calculate_kv_scales: bool = arg(
+        G.CACHE,
+        False,
+        "Measure the quantized KV cache's per-layer scales at start-up, over a fixed calibration text.",
+    )
+    quantization_param_path: str | None = arg(
+        G.CACHE,
+        None,
+        "JSON file of the quantized KV cache's per-layer scales (vLLM's kv_cache_scales format).",
+    )
     # ---- MultiModalConfig
     limit_mm_per_prompt: dict = arg(G.MM, help="Most multimodal items per prompt.", tier="C", factory=dict)
     mm_processor_kwargs: dict | None = arg(G.MM, None, "Multimodal processor settings.", tier="C")
@@ -448,6 +457,7 @@ class EngineArgs:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}.")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0.")
+        self._check_kv_scales()
         self._check_rope()
         self._check_distributed()
         self._structured_outputs_config()
@@ -502,6 +512,15 @@ class EngineArgs:
         if self.num_processes is not None and not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"--process-id must be in [0, {self.num_processes}), got {self.process_id}.")
 
+    def _check_kv_scales(self) -> None:
+        """Where a quantized KV cache's scales come from: one source at most, a file that is there.
+        (With --kv-cache-dtype auto there are no scales, and, as in vLLM, neither flag matters.)"""
+        path, calculate = self.quantization_param_path, self.calculate_kv_scales
+        if path and calculate:
+            raise ValueError("Give --quantization-param-path or --calculate-kv-scales, not both.")
+        if path and not os.path.isfile(os.path.expanduser(path)):
+            raise ValueError(f"--quantization-param-path {path!r} is not a file.")
+
     def _check_rope(self) -> None:
         scaling = as_dict(self.rope_scaling, "rope_scaling")
         if self.rope_theta is not None and not self.rope_theta > 0:
@@ -549,23 +568,27 @@ class EngineArgs:
             raise ValueError(
                 f"max_num_batched_tokens ({batched}) must be >= max_num_seqs ({self.max_num_seqs})."
             )
-        from jaxserve.layers.attention import check_page_size
+        from jaxserve.layers.attention import check_page_size, default_block_size
 
-        check_page_size(backend, self.block_size or 16, model_config.dtype)
+        cache = CacheConfig(
+            block_size=self.block_size or default_block_size(backend, self.kv_cache_dtype),
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            kv_cache_memory_bytes=parse_human_int(self.kv_cache_memory_bytes, "kv_cache_memory_bytes"),
+            enable_prefix_caching=self.enable_prefix_caching,
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+            cache_dtype=self.kv_cache_dtype,
+            quantization_param_path=self.quantization_param_path,
+            calculate_kv_scales=self.calculate_kv_scales,
+        )
+        check_page_size(backend, cache.block_size, cache.kv_pool_dtype(model_config.dtype))
         comp = as_dict(self.compilation_config, "compilation_config")
         unknown = set(comp) - {"token_buckets", "seq_buckets", "cache_dir"}
         if unknown:
             raise ValueError(f"compilation_config keys {sorted(unknown)} are not supported.")
         return EngineConfig(
             model_config=model_config,
-            cache_config=CacheConfig(
-                block_size=self.block_size or 16,
-                gpu_memory_utilization=self.gpu_memory_utilization,
-                num_gpu_blocks_override=self.num_gpu_blocks_override,
-                kv_cache_memory_bytes=parse_human_int(self.kv_cache_memory_bytes, "kv_cache_memory_bytes"),
-                enable_prefix_caching=self.enable_prefix_caching,
-                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
-            ),
+            cache_config=cache,
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=batched,
                 max_num_seqs=self.max_num_seqs,

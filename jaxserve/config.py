@@ -15,6 +15,15 @@ from typing import Any
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-tpu-interpret", "pallas-gpu-interpret")
 
 
+# --kv-cache-dtype -> the pool's dtype name ("auto": the model's dtype). vLLM's "fp8" is e4m3.
+KV_CACHE_DTYPES = {
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+    "int8": "int8",
+}
+
+
 def jaxserve_cache_dir(*parts: str) -> str:
     """Where jaxserve keeps what it can rebuild: $XDG_CACHE_HOME/jaxserve (~/.cache/jaxserve)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -60,6 +69,14 @@ class CacheConfig:
     # Bytes of KV pool per device, instead of what gpu_memory_utilization leaves (vLLM's
     # kv_cache_memory_bytes); None on the CPU = CPU_KV_CACHE_BYTES.
     kv_cache_memory_bytes: int | None = None
+    # The KV pool's dtype: "auto" (the model's) or a KV_CACHE_DTYPES key (quantized pages with
+    # one key and one value scale per layer: runner/kv_scales.py says where those come from).
+    cache_dtype: str = "auto"
+    quantization_param_path: str | None = None  # a JSON file of the layers' KV scales
+    calculate_kv_scales: bool = False  # measure them at start-up
+
+    def kv_pool_dtype(self, model_dtype: str) -> str:
+        return KV_CACHE_DTYPES.get(self.cache_dtype, model_dtype)
 
 
 # The CPU's default KV pool (there is no device memory to measure there): 1 GiB holds 23k tokens

@@ -64,7 +64,14 @@ def prompt_logits(runner: ModelRunner, token_ids: list[int]) -> np.ndarray:
     pages = tuple(range(1, 1 + -(-n // runner.page_size)))
     sched = SchedulerOutput((ScheduledSeq("r", tuple(token_ids), 0, pages, GREEDY),))
     inputs = batch_lib.prepare(
-        sched, padded, 1, runner.page_size, runner.pages_per_seq, runner.pad_slot, runner.attention_backend
+        sched,
+        padded,
+        1,
+        runner.page_size,
+        runner.pages_per_seq,
+        runner.pad_slot,
+        runner.attention_backend,
+        runner.kv_scales,
     )
     indices = np.zeros(padded, np.int32)
     indices[:n] = np.arange(n)
@@ -198,3 +205,57 @@ def quantized_reference(model, quantization: str):
             param.copy_(v * scale)
     assert names, "no projection matched"
     return ref
+
+
+def fake_quantize_kv(x, scale: float, dtype: str):
+    """x as a quantized KV page stores it and attention reads it back (torch): x / scale rounded
+    to int8 (saturating at +-127) or cast to fp8 (saturating at its largest value), times scale."""
+    import torch
+
+    x = x.float() / scale
+    if dtype == "int8":
+        x = x.round().clamp(-127, 127)
+    else:
+        fp8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}[dtype]
+        largest = torch.finfo(fp8).max
+        x = x.clamp(-largest, largest).to(fp8).float()
+    return x * scale
+
+
+def kv_quantized_reference(model, scales: np.ndarray, dtype: str):
+    """A copy of the torch model whose attention reads each layer's keys (after rope) and values
+    as quantized pages of `dtype` with that layer's scales ([num_layers, 2]) give them back."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, *args, **kwargs):
+        k_scale, v_scale = (float(s) for s in scales[module.layer_idx])
+        key, value = fake_quantize_kv(key, k_scale, dtype), fake_quantize_kv(value, v_scale, dtype)
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    name = f"jaxserve-kv-{dtype}-{len(AttentionInterface._global_mapping)}"
+    AttentionInterface.register(name, attention)
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation(name)
+    return ref
+
+
+def kv_amax(model, token_ids: list[int]) -> np.ndarray:
+    """[num_layers, 2]: the largest |key| (after rope) and |value| each layer computes over
+    `token_ids` in the torch model."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    amax = np.zeros((model.config.num_hidden_layers, 2))
+
+    def attention(module, query, key, value, *args, **kwargs):
+        amax[module.layer_idx] = [float(key.abs().max()), float(value.abs().max())]
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    AttentionInterface.register("jaxserve-kv-amax", attention)
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("jaxserve-kv-amax")
+    with torch.no_grad():
+        ref(torch.tensor([token_ids]))
+    return amax

@@ -71,7 +71,7 @@ FLAGS = [
     ("--pt-load-map-location", "C", "cpu", "cuda:0", "cuda:0"),
     ("--quantization", "B", None, "awq", "awq"),
     ("-q", "B", None, "awq", "awq"),
-    ("--kv-cache-dtype", "B", "auto", "fp8", "fp8"),
+    ("--kv-cache-dtype", "A", "auto", "fp8", "fp8"),
     (
         "--rope-scaling",
         "A",
@@ -104,7 +104,7 @@ FLAGS = [
     ("--kv-cache-memory-bytes", "A", None, "1G", 1 << 30),
     ("--enable-prefix-caching", "A", True, False, False),
     ("--prefix-caching-hash-algo", "A", "sha256", "builtin", "builtin"),
-    ("--calculate-kv-scales", "B", False, True, True),
+    ("--calculate-kv-scales", "A", False, True, True),
     # ---- SchedulerConfig
     ("--max-num-batched-tokens", "A", None, "4096", 4096),
     ("--max-num-seqs", "A", 256, "16", 16),
@@ -184,7 +184,7 @@ FLAGS = [
     ("--tokenizer-pool-extra-config", "C", None, '{"a": 1}', {"a": 1}),
     ("--worker-use-ray", "B", False, True, True),  # = --distributed-executor-backend ray
     ("--max-context-len-to-capture", "C", None, "4096", 4096),
-    ("--quantization-param-path", "C", None, "scales.json", "scales.json"),
+    ("--quantization-param-path", "A", None, "scales.json", "scales.json"),
     ("--image-input-type", "C", None, "pixel_values", "pixel_values"),
     ("--image-token-id", "C", None, "32000", 32000),
     ("--image-input-shape", "C", None, "1,3,336,336", "1,3,336,336"),
@@ -222,6 +222,7 @@ ACCEPTED_B = {
 
 # Tier-A rows whose value needs files or devices to start: checked by dedicated tests.
 NEEDS_SETUP = {
+    "--quantization-param-path",  # a file
     "--enable-auto-tool-choice",  # needs --tool-call-parser
     "--tool-parser-plugin",  # a file
     "--enable-reasoning",  # needs --reasoning-parser

@@ -106,7 +106,11 @@ def test_bad_flag_values_exit_2_with_one_line(model_dir, flags, named, capsys):
     "flags, named",
     [
         (["--max-model-len", "99999"], "max_model_len"),
-        (["--kv-cache-dtype", "fp8"], "kv_cache_dtype"),
+        (
+            ["--kv-cache-dtype", "int8", "--quantization-param-path", "/no/scales.json"],
+            "quantization-param-path",
+        ),
+        (["--quantization-param-path", "s.json", "--calculate-kv-scales"], "not both"),
         (["--preemption-mode", "swap"], "preemption_mode"),
     ],
 )

@@ -1,7 +1,7 @@
 """Tensor parallelism on 8 fake CPU devices: the same greedy tokens at tp = 1, 2, 4 and 8
-(a GQA Llama with fewer KV heads than devices, the same with int8 weights, and a Mixtral with
-expert parallelism), and every device holding only its own slice of each weight (and of each
-quantization scale) and of the KV pool.
+(a GQA Llama with fewer KV heads than devices, the same with int8 weights and an int8 KV cache,
+and a Mixtral with expert parallelism), and every device holding only its own slice of each
+weight (and of each quantization scale) and of the KV pool.
 
 The device count is fixed when JAX starts, so the engines run in one fresh subprocess."""
 
@@ -11,8 +11,9 @@ import dataclasses
 import json
 import textwrap
 
+import numpy as np
 import pytest
-from reference_checks import check_greedy, quantized_reference
+from reference_checks import check_greedy, kv_quantized_reference, quantized_reference
 from tiny_models import TP_LLAMA, engine_kwargs, make_checkpoint, run_on_fake_devices
 
 from jaxserve.args import EngineArgs
@@ -35,10 +36,11 @@ SCRIPT = textwrap.dedent(
 
     path, prompts, expert_parallel = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "ep"
     quantization = None if sys.argv[4] == "-" else sys.argv[4]
+    kv_cache_dtype = sys.argv[5]
     report = {}
     for tp in (1, 2, 4, 8):
         llm = LLM(path, **engine_kwargs(tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
-                                        quantization=quantization))
+                                        quantization=quantization, kv_cache_dtype=kv_cache_dtype))
         runner = llm.llm_engine.runner
         shards = {}
         for key, var in runner.state.flat_state():
@@ -49,7 +51,9 @@ SCRIPT = textwrap.dedent(
                 "shard_shapes": sorted({tuple(s.data.shape) for s in x.addressable_shards}),
             }
         pool = runner.kv_pool  # donated to the first step: read it now
-        pool = {"shape": list(pool.shape), "shard_shapes": sorted({tuple(s.data.shape) for s in pool.addressable_shards})}
+        pool = {"shape": list(pool.shape), "shard_shapes": sorted({tuple(s.data.shape) for s in pool.addressable_shards}),
+                "dtype": str(pool.dtype)}
+        kv_scales = None if runner.kv_scales is None else runner.kv_scales.tolist()
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
             SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
@@ -67,6 +71,7 @@ SCRIPT = textwrap.dedent(
             "weight_bytes": sum(x.nbytes for x in jax.tree.leaves(runner.state)),
             "fullest_device_bytes": max(bytes_per_device(runner.state).values()),
             "pool": pool,
+            "kv_scales": kv_scales,
         }
         del llm, runner, pool
     if not expert_parallel:  # a converted checkpoint holds 2 KV heads; served at tp = 8 it needs copies
@@ -74,7 +79,7 @@ SCRIPT = textwrap.dedent(
         from jaxserve.cli import convert
 
         out = convert(EngineArgs(model=path, **engine_kwargs(quantization=quantization)), path + "-orbax")
-        llm = LLM(out, **engine_kwargs(tensor_parallel_size=8))
+        llm = LLM(out, **engine_kwargs(tensor_parallel_size=8, kv_cache_dtype=kv_cache_dtype))
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
             SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
@@ -88,9 +93,14 @@ SCRIPT = textwrap.dedent(
 PROMPTS = [[5, 17, 300, 42, 9], list(range(20, 51)), [7]]
 
 
-def _run(path: str, expert_parallel: bool, quantization: str | None) -> dict:
+def _run(path: str, expert_parallel: bool, quantization: str | None, kv_cache_dtype: str) -> dict:
     out = run_on_fake_devices(
-        SCRIPT, path, json.dumps(PROMPTS), "ep" if expert_parallel else "-", quantization or "-"
+        SCRIPT,
+        path,
+        json.dumps(PROMPTS),
+        "ep" if expert_parallel else "-",
+        quantization or "-",
+        kv_cache_dtype,
     )
     report = json.loads(out.strip().splitlines()[-1])
     return {int(k) if k.isdigit() else k: r for k, r in report.items()}
@@ -103,10 +113,14 @@ def tp_runs(request, tmp_path_factory):
         model = make_checkpoint(path, "MixtralConfig", "MixtralForCausalLM", TP_MIXTRAL, "float32", 0)
     else:
         model = make_checkpoint(path, "LlamaConfig", "LlamaForCausalLM", TP_LLAMA, "float32", 0)
-    quantization = "int8" if request.param.endswith("int8") else None
-    if quantization:  # the reference: transformers with the same quantized weights
-        model = quantized_reference(model, quantization)
-    return request.param, model, _run(path, request.param == "mixtral", quantization)
+    quantization = kv_cache_dtype = None
+    if request.param.endswith("int8"):
+        quantization, kv_cache_dtype = "int8", "int8"
+    runs = _run(path, request.param == "mixtral", quantization, kv_cache_dtype or "auto")
+    if quantization:  # the reference: transformers with the same quantized weights and KV
+        scales = np.asarray(runs[1]["kv_scales"])
+        model = kv_quantized_reference(quantized_reference(model, quantization), scales, kv_cache_dtype)
+    return request.param, model, runs
 
 
 def test_greedy_tokens_are_the_same_at_every_tensor_parallel_size(tp_runs):
@@ -153,6 +167,9 @@ def test_each_device_holds_only_its_slice(tp_runs):
         pages, combined, page, hd = run["pool"]["shape"]
         assert combined == 2 * max(kv_heads, tp) and hd == head_dim
         assert run["pool"]["shard_shapes"] == [[pages, 2 * kv_per_device, page, head_dim]]
+        assert run["pool"]["dtype"] == ("int8" if family.endswith("int8") else "float32")
+        if family.endswith("int8"):  # every size measures the same KV scales
+            np.testing.assert_allclose(run["kv_scales"], runs[1]["kv_scales"], rtol=1e-5)
         if family == "mixtral":  # whole experts per device
             experts = TP_MIXTRAL["num_local_experts"]
             gate = w["layers.expert_gate"]

@@ -40,6 +40,7 @@ from jaxserve.engine.stats import IterationStats, SchedulerStats
 from jaxserve.loader.generation_config import read_generation_config, sampling_defaults
 from jaxserve.loader.tokenizer import load_tokenizer
 from jaxserve.outputs import RequestOutput
+from jaxserve.runner import kv_scales
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler_output import SchedulerOutput
 from jaxserve.structured_output import bitmask_filler
@@ -75,6 +76,12 @@ class LLMEngine:
                 pending = pool.submit(load_tokenizer, config.model_config)
                 self.runner = build_runner(config, devices)
                 self.tokenizer = pending.result()
+        if runner is None and kv_scales.measured_at_startup(config.cache_config):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "Measuring KV-cache scales at start-up needs the tokenizer (drop --skip-tokenizer-init)."
+                )
+            self.runner.calibrate_kv_scales(self.tokenizer.encode(kv_scales.CALIBRATION_TEXT))
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.runner.num_blocks)
         mc = config.model_config
         self.generation_config = read_generation_config(mc.model, mc.generation_config)

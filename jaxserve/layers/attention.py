@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import ATTENTION_BACKENDS
+from jaxserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 from pallas_kernels.ragged_paged_attention import reference
 from pallas_kernels.ragged_paged_attention.reference import write_kv
 
@@ -58,6 +58,15 @@ def check_page_size(backend: str, page_size: int, dtype) -> None:
             )
 
 
+def default_block_size(backend: str, kv_cache_dtype: str) -> int:
+    """--block-size when unset: 16, or on TPU the packed sublane tile of 1-byte pages (32)."""
+    if backend.startswith("tpu") and kv_cache_dtype in KV_CACHE_DTYPES:
+        from pallas_kernels.ragged_paged_attention.tpu import sublane_rows
+
+        return max(16, sublane_rows(KV_CACHE_DTYPES[kv_cache_dtype]))
+    return 16
+
+
 def pool_head_dim(backend: str, head_dim: int) -> int:
     """head_dim of the KV pool: on TPU rounded up to whole 128-lane rows. A TPU lays out an
     array's last dimension in tiles of 128 lanes, so a pool of head_dim 64 would take the
@@ -95,6 +104,9 @@ class AttentionMetadata:
     # The kernel to trace (a resolve_attention_backend result). Static, so part of the pytree's
     # structure: jit traces again for another backend instead of reusing the first trace.
     backend: str = field(metadata=dict(static=True))
+    # [num_layers, 2] float32, each layer's key and value scale, for a pool of quantized pages
+    # (int8, fp8); None for pages in the model's dtype. Fixed at start-up, sent with every step.
+    kv_scales: jax.Array | None = None
 
 
 def paged_attention(
@@ -111,12 +123,15 @@ def paged_attention(
     soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # ([num_tokens, num_q_heads, head_dim], kv_pool)
     page_offset = layer * pages_per_layer
+    k_scale = v_scale = None
+    if meta.kv_scales is not None:
+        k_scale, v_scale = meta.kv_scales[layer, 0], meta.kv_scales[layer, 1]
     page_size = kv_pool.shape[2]
     head_dim = q.shape[-1]
     if kv_pool.shape[-1] > head_dim:  # a padded pool (pool_head_dim): zeros change no score
         pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, kv_pool.shape[-1] - head_dim)))  # noqa: E731
         q, k, v = pad(q), pad(k), pad(v)
-    kv_pool = write_kv(kv_pool, k, v, meta.slot_mapping + page_offset * page_size)
+    kv_pool = write_kv(kv_pool, k, v, meta.slot_mapping + page_offset * page_size, k_scale, v_scale)
     out = _kernel(meta.backend)(
         q,
         kv_pool,
@@ -127,5 +142,7 @@ def paged_attention(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     return out[..., :head_dim], kv_pool

@@ -54,6 +54,7 @@ def prepare(
     pages_per_seq: int,
     pad_slot: int,  # a slot index past the KV pool: writes there are dropped
     attention_backend: str,  # the kernel the step traces (AttentionMetadata.backend)
+    kv_scales: np.ndarray | None = None,  # [num_layers, 2] float32, a quantized pool's (AttentionMetadata)
 ) -> BatchInputs:
     seqs = sched.seqs
     n = len(seqs)
@@ -133,6 +134,7 @@ def prepare(
             cu_q_lens=cu,
             num_seqs=np.array([n], np.int32),
             backend=attention_backend,
+            kv_scales=kv_scales,
         ),
         logits_indices=logits_indices,
         sampling=SamplingArrays(

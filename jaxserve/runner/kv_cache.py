@@ -79,14 +79,16 @@ def abstract_kv_pool(spec: KVCacheSpec, num_blocks: int, mesh: Mesh) -> jax.Shap
 
 
 def allocate_kv_pool(
-    spec: KVCacheSpec, num_blocks: int, mesh: Mesh
+    spec: KVCacheSpec, num_blocks: int, mesh: Mesh, log: bool = True
 ) -> jax.Array:  # [num_layers * num_blocks, 2 * num_kv_heads, page_size, head_dim]
     pool = abstract_kv_pool(spec, num_blocks, mesh)
     pool = jax.jit(lambda: jnp.zeros(pool.shape, pool.dtype), out_shardings=pool.sharding)()
-    logger.info(
-        "KV cache: %d blocks of %d tokens, %.2f GiB per device",
-        num_blocks,
-        spec.page_size,
-        max(s.data.nbytes for s in pool.addressable_shards) / 2**30,
-    )
+    if log:
+        logger.info(
+            "KV cache: %d blocks of %d tokens in %s pages, %.2f GiB per device",
+            num_blocks,
+            spec.page_size,
+            jnp.dtype(spec.dtype).name,
+            max(s.data.nbytes for s in pool.addressable_shards) / 2**30,
+        )
     return pool

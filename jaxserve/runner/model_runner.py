@@ -16,12 +16,13 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import NamedTuple
 
@@ -36,13 +37,15 @@ from jaxserve.layers.attention import pool_head_dim
 from jaxserve.layers.sampler import ProcessorState
 from jaxserve.loader.model_loader import build_model_args, load_model
 from jaxserve.runner import batch as batch_lib
+from jaxserve.runner import kv_scales
 from jaxserve.runner.bucketing import Buckets
 from jaxserve.runner.executable_cache import ExecutableCache
 from jaxserve.runner.kv_cache import KVCacheSpec, abstract_kv_pool, allocate_kv_pool, num_blocks_for
 from jaxserve.runner.step import StepResult, StepVariant, forward, sample_step, step
 from jaxserve.runner.step_cache import StepCache
-from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput, SlotInit
+from jaxserve.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput, SlotInit
 from jaxserve.sharding import make_mesh
+from pallas_kernels.ragged_paged_attention.reference import is_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +131,19 @@ class ModelRunner:
             num_kv_heads=self.args.num_kv_heads,
             head_dim=pool_head_dim(self.attention_backend, self.args.head_dim),
             page_size=self.page_size,
-            dtype=jnp.dtype(mc.dtype),
+            dtype=jnp.dtype(cc.kv_pool_dtype(mc.dtype)),
         )
+        # A quantized pool's per-layer key and value scales (runner/kv_scales.py), sent with each step.
+        self.kv_scales = None
+        if is_quantized(self.kv_spec.dtype):
+            self.kv_scales = np.ones((self.args.num_layers, 2), np.float32)
+            if cc.quantization_param_path:
+                self.kv_scales = kv_scales.read_scales_file(
+                    cc.quantization_param_path,
+                    self.args.num_layers,
+                    self.kv_spec.dtype.name,
+                    mc.get("model_type"),
+                )
         max_useful = sc.max_num_seqs * self.pages_per_seq + 1
         self.num_blocks = num_blocks_for(self.kv_spec, cc, max_useful, self.mesh)
         kv_tokens = (self.num_blocks - 1) * self.page_size  # block 0 is never handed out
@@ -202,6 +216,7 @@ class ModelRunner:
             self.pages_per_seq,
             self.pad_slot,
             self.attention_backend,
+            self.kv_scales,
         )
 
     def _compile(self, bucket: tuple[int, int], variant: StepVariant = StepVariant()):
@@ -365,6 +380,41 @@ class ModelRunner:
         self.kv_pool = allocate_kv_pool(self.kv_spec, self.num_blocks, self.mesh)
         self.processor_state = None
 
+    def calibrate_kv_scales(self, token_ids: Sequence[int]) -> None:
+        """Set a quantized pool's scales from the keys and values the model writes over
+        `token_ids` (a prefill into a float32 pool of their own; kv_scales.py)."""
+        if self.channel is not None:
+            self.channel.publish("calibrate_kv_scales", token_ids)
+        ids = tuple(token_ids[: self.config.scheduler_config.max_model_len])
+        blocks = -(-len(ids) // self.page_size)
+        spec = dataclasses.replace(self.kv_spec, dtype=jnp.dtype(jnp.float32))
+        pool = allocate_kv_pool(spec, blocks + 1, self.mesh, log=False)
+        seq = ScheduledSeq("calibration", ids, 0, tuple(range(1, blocks + 1)), None)
+        inputs = batch_lib.prepare(
+            SchedulerOutput(seqs=(seq,)),
+            len(ids),
+            1,
+            self.page_size,
+            blocks,
+            (blocks + 1) * self.args.num_layers * self.page_size,
+            self.attention_backend,
+        )
+        run = jax.jit(partial(forward, graphdef=self.graphdef, variant=StepVariant()))
+        with jax.set_mesh(self.mesh):
+            pool, _ = run(self.state, pool, self._last_tokens, jax.device_put(inputs, self._replicated))
+        # [layers * pages, 2 * heads, page, head_dim] -> largest |k| and |v| of each layer
+        amax = jnp.abs(pool).reshape(
+            self.args.num_layers, -1, spec.num_kv_heads, 2, spec.page_size, spec.head_dim
+        )
+        amax = np.asarray(jnp.max(amax, axis=(1, 2, 4, 5)))
+        self.kv_scales = kv_scales.scales_from_amax(amax, self.kv_spec.dtype.name)
+        logger.info(
+            "KV cache scales (%s) measured over %d tokens: keys %.3g-%.3g, values %.3g-%.3g",
+            self.kv_spec.dtype.name, len(ids),
+            self.kv_scales[:, 0].min(), self.kv_scales[:, 0].max(),
+            self.kv_scales[:, 1].min(), self.kv_scales[:, 1].max(),
+        )  # fmt: skip
+
     @property
     def num_compiled(self) -> int:
         return len(self._compiled)
@@ -394,7 +444,13 @@ class ModelRunner:
         if self.channel is not None:
             self.channel.publish("dispatch", sched, None, bitmask)
         inputs = batch_lib.prepare(
-            sched, *bucket, self.page_size, self.pages_per_seq, self.pad_slot, self.attention_backend
+            sched,
+            *bucket,
+            self.page_size,
+            self.pages_per_seq,
+            self.pad_slot,
+            self.attention_backend,
+            self.kv_scales,
         )
         for s in sched.seqs:
             if s.slot_init is not None:

@@ -35,7 +35,9 @@ Both run the same inner loop (`_attend`): per step, block_k keys whose page ids 
 the page table (key t of the sequence lives at page page_indices[seq, t // page_size],
 slot t % page_size), gathered from the whole kv_pages ref by index with masked loads;
 scores in float32, online softmax in base 2 (log2(e) folded into the scale), causal and
-sliding-window masks, soft cap, p cast to the KV dtype for the second matmul.
+sliding-window masks, soft cap, p cast to the KV dtype for the second matmul. Quantized pages
+(int8, fp8) are loaded as they are and cast to q's dtype, which both products then use; their
+scales are folded into q and the output outside the kernels (reference.py, "Quantized pages").
 
 ## Tiles
 
@@ -66,6 +68,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.ragged_paged_attention.reference import fold_scales, is_quantized
+
 LOG2E = math.log2(math.e)
 H200_SMS = 132  # streaming multiprocessors: the auto split count aims for >= 2 programs each
 MAX_KV_SPLITS = 16
@@ -90,11 +94,19 @@ def _all(*masks):
 
 
 def _load(ref, mask):
-    return plgpu.load(ref, mask=mask, other=None if mask is None else 0)
+    # The fill value in the ref's own kind: Triton casts no integer constant to fp8.
+    fill = 0 if jnp.issubdtype(ref.dtype, jnp.integer) else 0.0
+    return plgpu.load(ref, mask=mask, other=None if mask is None else fill)
+
+
+def _compute_dtype(q_ref, kv_ref):
+    """The dtype of both products: the pages' own, or q's when the pages are quantized (int8,
+    fp8: cast up after the load, their scales folded outside, reference.fold_scales)."""
+    return q_ref.dtype if is_quantized(kv_ref.dtype) else kv_ref.dtype
 
 
 def _attend(
-    q,  # [rows, head_dim_p] kv dtype
+    q,  # [rows, head_dim_p] in the products' dtype (_compute_dtype)
     q_pos,  # [rows] int32, position of each row's token; -1: the row sees nothing
     start,  # [] int32, first key visited (a multiple of block_k)
     num_steps,  # [] int32, key blocks visited
@@ -123,8 +135,8 @@ def _attend(
         page = plgpu.load(pages_ref.at[seq, slot], mask=live, other=0)  # [block_k]
         idx = (page[:, None], 2 * head, jax.lax.rem(t, page_size)[:, None], cols)
         mask = _all(live[:, None], col_ok)  # [block_k, 1 or head_dim_p]
-        k = _load(kv_ref.at[idx], mask)  # [block_k, head_dim_p]
-        v = _load(kv_ref.at[idx[0], idx[1] + 1, idx[2], idx[3]], mask)
+        k = _load(kv_ref.at[idx], mask).astype(q.dtype)  # [block_k, head_dim_p]
+        v = _load(kv_ref.at[idx[0], idx[1] + 1, idx[2], idx[3]], mask).astype(q.dtype)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         if soft_cap is None:
             s = s * (sm_scale * LOG2E)  # [rows, block_k]
@@ -181,7 +193,7 @@ def _decode_kernel(
 
     g, g_ok = _lanes(rows, group, axis=0)  # [rows, 1]: q head within the group
     d, d_ok = _lanes(head_dim_p, head_dim, axis=1)  # [1, head_dim_p]
-    q = _load(q_ref.at[rows_ref[seq], head, g, d], _all(g_ok, d_ok)).astype(kv_ref.dtype)
+    q = _load(q_ref.at[rows_ref[seq], head, g, d], _all(g_ok, d_ok)).astype(_compute_dtype(q_ref, kv_ref))
     q_pos = jnp.full((rows,), kv_len - 1, jnp.int32)
     m, l_sum, acc = _attend(
         q, q_pos, start, num_steps, end, seq, head, pages_ref, kv_ref, window,
@@ -233,7 +245,7 @@ def _prefill_kernel(
         lo = 0 if window is None else jnp.maximum(kv_len - q_end + first - window + 1, 0)
         lo = lo // block_k * block_k
         m, l_sum, acc = _attend(
-            q.astype(kv_ref.dtype), q_pos, lo, pl.cdiv(last - lo, block_k), last, seq, head, pages_ref,
+            q.astype(_compute_dtype(q_ref, kv_ref)), q_pos, lo, pl.cdiv(last - lo, block_k), last, seq, head, pages_ref,
             kv_ref, window, block_k=block_k, head_dim=head_dim, sm_scale=sm_scale, soft_cap=soft_cap,
         )  # fmt: skip
         out = acc / jnp.where(l_sum > 0, l_sum, 1.0)[:, None]
@@ -284,10 +296,13 @@ def ragged_paged_attention(
     prefill_num_warps: int = 8,
     num_stages: int = 2,
     interpret: bool = False,
+    k_scale: float | jax.Array | None = None,  # quantized pages (reference.py, "Quantized pages")
+    v_scale: float | jax.Array | None = None,
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim]
     """block_k: keys per inner step (a power of two >= 16). prefill_block_m: rows of a
     prefill tile (q tokens x padded group; a power of two). num_kv_splits: decode split-K
     factor (a power of two; None: from the shapes, see `_auto_splits`)."""
+    q, out_scale = fold_scales(q, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, combined, page_size, _ = kv_pages.shape
     num_kv_heads = combined // 2
@@ -374,4 +389,5 @@ def ragged_paged_attention(
         interpret=interpret,
         name="ragged_paged_attention_prefill",
     )(q4, kv_pages, page_indices, kv_lens, blk_seq, blk_first, blk_end, *extra, out)
-    return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
+    out = out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
+    return out if v_scale is None else (out.astype(jnp.float32) * out_scale).astype(q.dtype)

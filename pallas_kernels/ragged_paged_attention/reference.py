@@ -45,6 +45,17 @@ sliding window, start no earlier than the first key any of their rows can see).
   which is how a model scanning over layers gives each layer its own window; a value no
   smaller than the context length means full attention.
 - `soft_cap`: scores (already scaled) become soft_cap * tanh(score / soft_cap).
+
+## Quantized pages
+
+The pool may hold int8 or fp8 (float8_e4m3fn, float8_e5m2) pages with one scale for the keys
+and one for the values of a layer (per-tensor): write_kv stores round(k / k_scale) (int8,
+saturated at +-127) or k / k_scale saturated at the format's largest finite value (fp8, whose
+casts would otherwise turn an overflow into NaN). Attention folds the scales into the math
+instead of dequantizing pages: q . (k_scale k_q) = (k_scale q) . k_q, and softmax(s) .
+(v_scale v_q) = v_scale (softmax(s) . v_q); so q is scaled once per row, the output once per
+row, and every page is only cast. The kernels take the same `k_scale` / `v_scale` (a Python
+float or a traced float32 scalar; None: 1).
 """
 
 from __future__ import annotations
@@ -58,13 +69,40 @@ BLOCKS_PER_STEP = 4  # prefill blocks handled together in one loop iteration
 DECODE_GROUP = 32  # decode sequences handled together in one loop iteration
 
 
+def is_quantized(dtype) -> bool:
+    """Whether pages of this dtype hold scaled integers or fp8 (not plain 16/32-bit floats)."""
+    return jnp.dtype(dtype).itemsize == 1
+
+
+def quantize(x: jax.Array, scale, dtype) -> jax.Array:
+    """x / scale in the pages' int8 or fp8 dtype, saturated at its largest finite value."""
+    x = x.astype(jnp.float32) / scale
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.clip(jnp.round(x), -127, 127).astype(dtype)
+    largest = float(jnp.finfo(dtype).max)
+    return jnp.clip(x, -largest, largest).astype(dtype)
+
+
+def fold_scales(q: jax.Array, k_scale, v_scale):
+    """(q times k_scale, the output's factor): how attention over scaled pages stays exact
+    without dequantizing them (see "Quantized pages")."""
+    if k_scale is not None:
+        q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
+    return q, 1.0 if v_scale is None else v_scale
+
+
 def write_kv(
     kv_pages: jax.Array,  # [num_pages, 2 * num_kv_heads, page_size, head_dim]
     k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
     v: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
     slot_mapping: jax.Array,  # [num_tokens] int32: page * page_size + offset; >= num_slots drops
+    k_scale: float | jax.Array | None = None,  # quantized pages: k is stored as k / k_scale
+    v_scale: float | jax.Array | None = None,
 ) -> jax.Array:  # [num_pages, 2 * num_kv_heads, page_size, head_dim]
     num_pages, combined, page_size, head_dim = kv_pages.shape
+    if is_quantized(kv_pages.dtype):
+        k = quantize(k, 1.0 if k_scale is None else k_scale, kv_pages.dtype)
+        v = quantize(v, 1.0 if v_scale is None else v_scale, kv_pages.dtype)
     kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], combined, head_dim).astype(kv_pages.dtype)
     page, offset = slot_mapping // page_size, slot_mapping % page_size
     rows = (page[:, None] * combined + jnp.arange(combined)[None, :]) * page_size + offset[:, None]
@@ -147,6 +185,8 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    k_scale: float | jax.Array | None = None,  # quantized pages (see "Quantized pages")
+    v_scale: float | jax.Array | None = None,
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim]
     num_tokens, num_q_heads, head_dim = q.shape
     max_num_seqs = kv_lens.shape[0]
@@ -159,7 +199,8 @@ def ragged_paged_attention(
     seq_ids = jnp.arange(max_num_seqs, dtype=jnp.int32)
     live = seq_ids < num_seqs[0]
     q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [max_num_seqs]
-    qg = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, head_dim)
+    k_scale = 1.0 if k_scale is None else k_scale
+    qg = (q.astype(jnp.float32) * (sm_scale * k_scale)).reshape(num_tokens, num_kv_heads, group, head_dim)
     out = jnp.zeros((num_tokens + 1, num_kv_heads, group, head_dim), jnp.float32)  # last row: sink
 
     # Decode rows: one unit per sequence with a single new token, compacted to the front
@@ -210,4 +251,6 @@ def ragged_paged_attention(
         return out.at[rows].set(blk_out)
 
     out = jax.lax.fori_loop(0, num_groups, prefill_group, out)
+    if v_scale is not None:
+        out = out * v_scale
     return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

@@ -53,7 +53,10 @@ kv head (work item 0) starts from scratch, so the kv-head axis can be split acro
 Running max m and sum l ([block_rows, 128], replicated over the lanes) and the accumulator
 acc ([block_rows, head_dim]) live in float32 VMEM scratch. Scores are q @ k.T in float32
 (inputs in their own dtype), scaled, soft-capped, masked (causal, window) with a large
-finite negative value, and p is cast to the KV dtype for p @ v.
+finite negative value, and p is cast to q's dtype for p @ v. Quantized pages (int8, fp8) are
+cast to q's dtype after their copy into VMEM, so they cost a quarter (of float32) or half (of
+bfloat16) the HBM reads; their scales are folded into q and the output (reference.py,
+"Quantized pages").
 
 ## TPU constraints
 
@@ -76,6 +79,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.ragged_paged_attention.reference import fold_scales
 
 LANES = 128
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # masked scores: exp() of it is 0, no inf - inf
@@ -226,12 +231,12 @@ def _kernel(
                         copy_block(nxt, nxt["kb_first"], 1 - slot, "start")
 
                     # [pages_per_block, page_size, head_dim] -> [block_k, head_dim]
-                    k = kv_buf[slot, :, 0].reshape(block_k, q.shape[1])
-                    v = kv_buf[slot, :, 1].reshape(block_k, q.shape[1])
+                    # Quantized pages are cast to q's dtype here; their scales are folded
+                    # into q and the output outside the kernel (reference.fold_scales).
+                    k = kv_buf[slot, :, 0].reshape(block_k, q.shape[1]).astype(q.dtype)
+                    v = kv_buf[slot, :, 1].reshape(block_k, q.shape[1]).astype(q.dtype)
                     nt = (((1,), (1,)), ((), ()))  # q @ k.T
-                    s = jax.lax.dot_general(
-                        q, k.astype(q.dtype), nt, preferred_element_type=jnp.float32, precision=precision
-                    )
+                    s = jax.lax.dot_general(q, k, nt, preferred_element_type=jnp.float32, precision=precision)
                     s = s * sm_scale  # [rows, block_k] float32
                     if soft_cap is not None:
                         s = soft_cap * jnp.tanh(s / soft_cap)
@@ -327,7 +332,10 @@ def ragged_paged_attention(
     block_q: int | None = None,  # tokens per q block; default: see default_blocks
     pages_per_block: int | None = None,  # pages per KV block; default: see default_blocks
     interpret: bool | pltpu.InterpretParams = False,
+    k_scale: float | jax.Array | None = None,  # quantized pages (reference.py, "Quantized pages")
+    v_scale: float | jax.Array | None = None,
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim]
+    q, out_scale = fold_scales(q, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     _, combined, page_size, _ = kv_pages.shape
     num_kv_heads = combined // 2
@@ -404,4 +412,5 @@ def ragged_paged_attention(
         kv_pages,
     )
     out = out.reshape(num_kv_heads, padded_tokens, group, head_dim).transpose(1, 0, 2, 3)
-    return out.reshape(padded_tokens, num_q_heads, head_dim)[:num_tokens]
+    out = out.reshape(padded_tokens, num_q_heads, head_dim)[:num_tokens]
+    return out if v_scale is None else (out.astype(jnp.float32) * out_scale).astype(q.dtype)

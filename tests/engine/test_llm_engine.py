@@ -182,10 +182,10 @@ def test_min_tokens_masks_stop_tokens(tiny_llama_gqa, prompts):
     assert out.finish_reason == "length" or out.token_ids[-1] == stop_id
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_mixed_workload_compiles_nothing_after_startup(tiny_llama_gqa, prompts, quantization):
+@pytest.mark.parametrize("quantization, kv_cache_dtype", [(None, "auto"), ("int8", "int8")])
+def test_mixed_workload_compiles_nothing_after_startup(tiny_llama_gqa, prompts, quantization, kv_cache_dtype):
     kwargs = engine_kwargs(enforce_eager=False, max_num_batched_tokens=32, max_num_seqs=4)
-    llm = LLM(tiny_llama_gqa[0], quantization=quantization, **kwargs)
+    llm = LLM(tiny_llama_gqa[0], quantization=quantization, kv_cache_dtype=kv_cache_dtype, **kwargs)
     runner = llm.llm_engine.runner
     compiled_at_start = runner.num_compiled
     assert compiled_at_start == len(runner.buckets.all())

@@ -10,13 +10,14 @@ test still chooses its own sequences, sizes and data.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ragged_paged_attention.reference import write_kv
+from pallas_kernels.ragged_paged_attention.reference import quantize, write_kv
 
 # float32 on both sides: an implementation and dense attention sum in (at least) float32, in
 # different orders; they agree to ~2e-6 on these unit-variance inputs.
@@ -60,10 +61,26 @@ class AttentionCase:
     cu_q_lens: jax.Array  # [max_num_seqs + 1] int32
     num_seqs: jax.Array  # [1] int32
     seqs: tuple[tuple[int, int], ...]  # (context_len, q_len) per sequence
+    # A pool of quantized pages (int8, fp8) holds k / k_scale and v / v_scale (quantized()).
+    k_scale: float | None = None
+    v_scale: float | None = None
 
     @property
     def args(self) -> tuple[jax.Array, ...]:
         return (self.q, self.kv, self.kv_lens, self.page_indices, self.cu_q_lens, self.num_seqs)
+
+    @property
+    def scales(self) -> dict:
+        """The keyword arguments that tell an implementation the pool's scales."""
+        return dict(k_scale=self.k_scale, v_scale=self.v_scale)
+
+    def quantized(self, dtype, k_scale: float, v_scale: float) -> AttentionCase:
+        """The same batch over the pool quantized to `dtype` pages (as write_kv stores them)."""
+        kv = np.asarray(self.kv, np.float32)
+        pages = np.empty(kv.shape, jnp.dtype(dtype))
+        pages[:, 0::2] = np.asarray(quantize(jnp.asarray(kv[:, 0::2]), k_scale, jnp.dtype(dtype)))
+        pages[:, 1::2] = np.asarray(quantize(jnp.asarray(kv[:, 1::2]), v_scale, jnp.dtype(dtype)))
+        return dataclasses.replace(self, kv=jnp.asarray(pages), k_scale=k_scale, v_scale=v_scale)
 
     @property
     def sm_scale(self) -> float:
@@ -76,10 +93,15 @@ class AttentionCase:
 
     def expected(self, sliding_window=None, soft_cap=None) -> np.ndarray:
         """Every sequence's rows by dense numpy attention in float64 on the (possibly bfloat16)
-        inputs, over the keys and values its page table points at; padding rows zero."""
+        inputs, over the keys and values its page table points at (a quantized pool's pages
+        times their scales); padding rows zero."""
         q = np.asarray(self.q, np.float64)
         page_size = self.kv.shape[2]
-        pool = token_major(np.asarray(self.kv, np.float64))
+        pool = np.asarray(self.kv, np.float64)
+        if self.k_scale is not None:  # the values the quantized pages stand for
+            pool[:, 0::2] *= self.k_scale
+            pool[:, 1::2] *= self.v_scale
+        pool = token_major(pool)
         pages, cu = np.asarray(self.page_indices), np.asarray(self.cu_q_lens)
         out = np.zeros_like(q)
         for i, (ctx, q_len) in enumerate(self.seqs):
@@ -183,3 +205,9 @@ MIXES = {
 # differing only in data share one compilation; the new tokens' keys and values written as a
 # step writes them; the unused slots' page tables zero, as the runner pads them.
 PADDED_LAYOUT = dict(num_tokens=384, pages_per_seq=16, write_new_kv=True, fill_unused_slots=False)
+
+# Quantized pages: (dtype, k_scale, v_scale). The unit-variance keys and values reach ~4.5,
+# so int8 at these scales saturates the largest few, and fp8 rounds to its 3 (e4m3) or 2
+# (e5m2) mantissa bits: the expected output is computed from the pages as stored, times the
+# scales, so any error here is the attention's, not the quantization's.
+QUANTIZED = [("int8", 0.03, 0.05), ("float8_e4m3fn", 0.02, 0.5), ("float8_e5m2", 1.0, 0.25)]

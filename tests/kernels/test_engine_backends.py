@@ -43,6 +43,28 @@ def test_greedy_tokens_equal_the_reference_backends(tiny_llama_gqa, backend):
     assert runner.kv_spec.bytes_per_block * runner.num_blocks == runner.kv_pool.nbytes
 
 
+def test_int8_kv_pages_give_the_reference_backends_tokens_through_the_tpu_kernel(tiny_llama_gqa):
+    """An int8 KV cache served by the TPU kernel (interpreted): the pages of 32 tokens it picks
+    for 1-byte pages when no --block-size is given, the same scales and tokens as the reference."""
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": rng.integers(3, 500, size=n).tolist()} for n in (5, 40, 9)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    kw = engine_kwargs(
+        max_num_batched_tokens=32, num_gpu_blocks_override=8, kv_cache_dtype="int8", block_size=None
+    )
+    runs = {}
+    for backend in ("reference", "pallas-tpu-interpret"):
+        llm = LLM(tiny_llama_gqa[0], attention_backend=backend, **kw)
+        runner = llm.llm_engine.runner
+        assert runner.page_size == (32 if "tpu" in backend else 16) and str(runner.kv_pool.dtype) == "int8"
+        runs[backend] = (
+            runner.kv_scales,
+            [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)],
+        )
+    np.testing.assert_allclose(runs["reference"][0], runs["pallas-tpu-interpret"][0], rtol=1e-5)
+    assert runs["reference"][1] == runs["pallas-tpu-interpret"][1]
+
+
 def test_tpu_refuses_pages_it_cannot_tile(tiny_llama_gqa):
     args = EngineArgs(
         model=tiny_llama_gqa[0], attention_backend="pallas-tpu-interpret", dtype="bfloat16", block_size=8
@@ -51,6 +73,9 @@ def test_tpu_refuses_pages_it_cannot_tile(tiny_llama_gqa):
         args.create_engine_config()
     args.dtype = "float32"  # 8 rows of 32 bits fill a sublane tile
     assert args.create_engine_config().cache_config.block_size == 8
+    args.kv_cache_dtype = "int8"  # 1-byte pages: 32 rows
+    with pytest.raises(ValueError, match=r"--block-size 8 .* int8 KV pages: it must be a multiple of 32"):
+        args.create_engine_config()
 
 
 def test_step_lowers_for_tpu_and_gpu_with_the_kernels(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernels.attention_cases import F32_TOL, MIXES, PADDED_LAYOUT, AttentionCase, build_case
+from kernels.attention_cases import F32_TOL, MIXES, PADDED_LAYOUT, QUANTIZED, AttentionCase, build_case
 
 from pallas_kernels.ragged_paged_attention import gpu, reference
 
@@ -183,11 +183,28 @@ def test_stale_slots_and_empty_batch():
     assert np.all(_kernel((*stale, jnp.zeros(1, jnp.int32)), sm_scale=case.sm_scale) == 0.0)
 
 
+@pytest.mark.parametrize("dtype, k_scale, v_scale", QUANTIZED)
+def test_quantized_pages(dtype, k_scale, v_scale):
+    """int8 and fp8 pages with their scales, as the engine's quantized KV cache holds them."""
+    for mix in ["decode", "mixed"]:
+        case = _case(MIXES[mix](16), 4, 64, 16, seed=6).quantized(dtype, k_scale, v_scale)
+        out = _kernel(case.args, sm_scale=case.sm_scale, **case.scales)
+        np.testing.assert_allclose(out, case.expected(), **F32_TOL, err_msg=mix)
+        assert np.all(out[case.num_rows :] == 0.0), mix
+
+
+def test_bfloat16_queries_over_int8_pages():
+    """A bfloat16 model over int8 pages: the products run in bfloat16, as with bfloat16 pages."""
+    case = _case(LONG, 2, 64, 16, seed=7, dtype=jnp.bfloat16).quantized("int8", 0.03, 0.05)
+    opts = dict(sm_scale=case.sm_scale, **case.scales)
+    np.testing.assert_allclose(_kernel(case.args, **opts), _reference(case.args, **opts), **BF16_TOL)
+
+
 @pytest.mark.parametrize(
-    "group, head_dim, window, cap",
-    [(4, 128, None, None), (3, 80, 100, 30.0)],
+    "group, head_dim, window, cap, pages",
+    [(4, 128, None, None, None), (3, 80, 100, 30.0, None), (4, 128, None, None, "float8_e4m3fn")],
 )
-def test_lowers_to_triton(monkeypatch, group, head_dim, window, cap):
+def test_lowers_to_triton(monkeypatch, group, head_dim, window, cap, pages):
     """Both launches lower through the Triton backend for a CUDA target (every primitive
     has a Triton lowering, every in-kernel array has power-of-two dimensions) and the
     resulting Triton modules verify. This is no compile to PTX: that needs a GPU."""
@@ -203,8 +220,14 @@ def test_lowers_to_triton(monkeypatch, group, head_dim, window, cap):
 
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_keep)
     case = _case(MIXES["mixed"](16), group, head_dim, 16, dtype=jnp.bfloat16)
+    if pages is not None:
+        case = case.quantized(pages, 0.02, 0.5)
     scale = case.sm_scale
-    fn = lambda *a: gpu.ragged_paged_attention(*a[:-1], sm_scale=scale, sliding_window=a[-1], soft_cap=cap)  # noqa: E731
+    fn = (
+        lambda *a: gpu.ragged_paged_attention(  # noqa: E731
+            *a[:-1], sm_scale=scale, sliding_window=a[-1], soft_cap=cap, **case.scales
+        )
+    )
     window = None if window is None else jnp.int32(window)
     triton_call = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     try:

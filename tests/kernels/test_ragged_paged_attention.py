@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernels.attention_cases import F32_TOL, MIXES, PADDED_LAYOUT, build_case
+from kernels.attention_cases import F32_TOL, MIXES, PADDED_LAYOUT, QUANTIZED, build_case
 
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
 
@@ -100,3 +100,52 @@ def test_traced_window_over_long_contexts(window):
     run = jax.jit(lambda w: ragged_paged_attention(*case.args, sm_scale=case.sm_scale, sliding_window=w))
     out = np.asarray(run(jnp.int32(window)))
     np.testing.assert_allclose(out, case.expected(window), **F32_TOL)
+
+
+@pytest.mark.parametrize("dtype, k_scale, v_scale", QUANTIZED)
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_quantized_pages_attend_as_their_scaled_values(dtype, k_scale, v_scale, mix, cap):
+    rng = np.random.default_rng(4)
+    case = _case(rng, MIXES[mix](16), 4, 2, 64, 16, 8).quantized(dtype, k_scale, v_scale)
+    run = _jit(soft_cap=cap)
+    out = np.asarray(run(*case.args, case.sm_scale, case.k_scale, case.v_scale))
+    np.testing.assert_allclose(out, case.expected(soft_cap=cap), **F32_TOL)
+
+
+@functools.cache
+def _jit(soft_cap):
+    return jax.jit(
+        lambda *a: ragged_paged_attention(
+            *a[:6], sm_scale=a[6], soft_cap=soft_cap, k_scale=a[7], v_scale=a[8]
+        ),
+        static_argnums=6,
+    )
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn", "float8_e5m2"])
+def test_write_kv_quantizes_and_saturates(dtype):
+    dtype = jnp.dtype(dtype)
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((6, 2, 8)).astype(np.float32)
+    v = 3 * rng.standard_normal((6, 2, 8)).astype(np.float32)
+    k[0, 0, 0], v[1, 1, 1] = 1e6, -1e6  # far past any format's range
+    k_scale, v_scale = 0.04, 0.1
+    slots = jnp.arange(6, dtype=jnp.int32)
+    pages = write_kv(jnp.zeros((3, 4, 4, 8), dtype), jnp.asarray(k), jnp.asarray(v), slots, k_scale, v_scale)
+    stored = np.asarray(pages, np.float64).transpose(0, 2, 1, 3).reshape(12, 2, 2, 8)[:6]
+    got_k, got_v = stored[:, :, 0] * k_scale, stored[:, :, 1] * v_scale
+    largest = 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
+    assert np.all(np.isfinite(stored))
+    assert got_k[0, 0, 0] == pytest.approx(largest * k_scale) and got_v[1, 1, 1] == pytest.approx(
+        -largest * v_scale
+    )
+    fine = np.ones(k.shape, bool)
+    fine[0, 0, 0] = fine[1, 1, 1] = False  # (the saturated ones)
+    for got, want, scale in ((got_k, k, k_scale), (got_v, v, v_scale)):
+        err, want = np.abs(got - want)[fine], np.abs(want)[fine]
+        if dtype == jnp.int8:  # rounded to whole steps of the scale: within half a step
+            np.testing.assert_array_less(err, scale / 2 + 1e-7)
+        else:  # rounded to the mantissa: half a unit in the last place, or the subnormal step
+            rel = 2.0 ** -(jnp.finfo(dtype).nmant + 1)
+            np.testing.assert_array_less(err, rel * want + float(jnp.finfo(dtype).smallest_subnormal) * scale)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernels.attention_cases import F32_TOL, AttentionCase, build_case
+from kernels.attention_cases import F32_TOL, QUANTIZED, AttentionCase, build_case
 
 from pallas_kernels.ragged_paged_attention import reference, tpu
 
@@ -278,6 +278,36 @@ def test_sub_tile_rows(group, dtype, block_rows, rows):
     assert tpu._sub_rows(group, dtype, block_rows) == rows
 
 
+@pytest.mark.parametrize("dtype, k_scale, v_scale", QUANTIZED)
+@pytest.mark.parametrize("mix", ["decode", "mixed"])
+def test_quantized_pages(dtype, k_scale, v_scale, mix):
+    """int8 and fp8 pages with their scales (pages of 32 tokens: a 1-byte dtype packs 32 rows
+    in a sublane tile), several KV blocks per item so the copies are double-buffered."""
+    rng = np.random.default_rng(13)
+    case = make_case(rng, MIXES[mix](32), 2, 64, 32, jnp.float32).quantized(dtype, k_scale, v_scale)
+    run = jax.jit(
+        lambda *a: tpu.ragged_paged_attention(
+            *a[:6],
+            sm_scale=64**-0.5,
+            k_scale=a[6],
+            v_scale=a[7],
+            block_q=16,
+            pages_per_block=1,
+            interpret=True,
+        )
+    )
+    out = np.asarray(run(*case.args, case.k_scale, case.v_scale), np.float64)
+    assert np.all(out[int(case.cu_q_lens[-1]) :] == 0.0)
+    np.testing.assert_allclose(out, case.expected(), **TOLERANCE[jnp.float32])
+
+
+def test_refuses_int8_pages_of_16_tokens():
+    case = make_case(np.random.default_rng(0), MIXES["decode"](16), 2, 64, 16, jnp.float32)
+    case = case.quantized("int8", 0.03, 0.05)
+    with pytest.raises(ValueError, match="multiple of 32 for int8 pages"):
+        tpu.ragged_paged_attention(*case.args, sm_scale=0.1, interpret=True, **case.scales)
+
+
 def target_tpu(monkeypatch, generation: str = "v5e") -> None:
     """Let Pallas lower for a TPU of `generation` on this CPU (lowering asks the device
     for its chip's facts)."""
@@ -289,14 +319,15 @@ def target_tpu(monkeypatch, generation: str = "v5e") -> None:
 
 @pytest.mark.parametrize("generation", ["v5e", "v6e", "v5p"])
 @pytest.mark.parametrize(
-    "group, head_dim, page, dtype, window, cap",
+    "group, head_dim, page, dtype, window, cap, pages",
     [
-        (4, 128, 16, jnp.bfloat16, None, None),
-        (1, 64, 32, jnp.float32, 100, 30.0),
-        (8, 128, 32, jnp.bfloat16, 64, None),
+        (4, 128, 16, jnp.bfloat16, None, None, None),
+        (1, 64, 32, jnp.float32, 100, 30.0, None),
+        (8, 128, 32, jnp.bfloat16, 64, None, None),
+        (4, 128, 32, jnp.bfloat16, None, None, "int8"),
     ],
 )
-def test_lowers_to_mosaic(monkeypatch, generation, group, head_dim, page, dtype, window, cap):
+def test_lowers_to_mosaic(monkeypatch, generation, group, head_dim, page, dtype, window, cap, pages):
     """The kernel lowers through Mosaic for a TPU target (every primitive has a Mosaic
     lowering, block shapes are legal for the generation) and the Mosaic module verifies.
     This is no compile for a TPU (libtpu does that): layouts are not checked here."""
@@ -312,10 +343,12 @@ def test_lowers_to_mosaic(monkeypatch, generation, group, head_dim, page, dtype,
 
     monkeypatch.setattr(lowering, "lower_jaxpr_to_pipelined_module", lower_and_keep)
     case = make_case(np.random.default_rng(0), MIXES["mixed"](page), group, head_dim, page, dtype)
+    if pages is not None:
+        case = case.quantized(pages, 0.03, 0.05)
     window = None if window is None else jnp.int32(window)
     fn = (
         lambda *a: tpu.ragged_paged_attention(  # noqa: E731
-            *a[:-1], sm_scale=head_dim**-0.5, sliding_window=a[-1], soft_cap=cap
+            *a[:-1], sm_scale=head_dim**-0.5, sliding_window=a[-1], soft_cap=cap, **case.scales
         )
     )
     exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*case.args, window)
