@@ -230,10 +230,12 @@ class EngineArgs:
         None,
         "Weight quantization method: int8 or fp8 (weight-only, one scale per output channel, "
         "quantized at load); gguf (a .gguf file's own Q8_0 / Q4_0 / Q4_1 / Q4_K groups, the "
-        "default for .gguf files); none (dequantize a .gguf file at load).",
+        "default for .gguf files); none (dequantize a .gguf file at load). A checkpoint another tool "
+        "quantized (quant_method fp8 or compressed-tensors) is served from its own values; the flag "
+        "may name its method.",
         tier="B",
         short="-q",
-        supported=(None, "gguf", "int8", "fp8", "none"),
+        supported=(None, "gguf", "int8", "fp8", "none", "compressed-tensors"),
     )
     disable_sliding_window: bool = arg(
         G.MODEL, False, "Cap max_model_len at the model's sliding window (jaxserve applies no window)."

@@ -147,6 +147,11 @@ def convert(engine_args: EngineArgs, output: str) -> str:
     from jaxserve.sharding import make_mesh
 
     mc = engine_args.create_engine_config().model_config
+    if mc.checkpoint_quantization is not None:
+        raise ValueError(
+            f"jaxserve convert does not convert a checkpoint quantized with {mc.checkpoint_quantization} "
+            "yet; serve the checkpoint directly."
+        )
     _, state = load_model(mc, make_mesh(1))
     source_dir = mc.model if os.path.isdir(mc.model) else None
     hf_config = dict(mc.hf_config)

@@ -49,6 +49,9 @@ class ModelConfig:
     use_tqdm_on_load: bool = True
     # Weight-only quantization of the layers' projections: "int8", "fp8" or None (as stored)
     quantization: str | None = None
+    # The method of a checkpoint quantized by another tool ("fp8", "compressed-tensors"), served
+    # from its own values and scales (loader/prequantized.py); None for the others
+    checkpoint_quantization: str | None = None
 
     @property
     def architecture(self) -> str:

@@ -145,7 +145,10 @@ def model_config_from_args(args) -> ModelConfig:
     from jaxserve.models.registry import resolve_architecture
 
     resolve_architecture(hf_config)  # refuse unknown architectures before anything loads
-    quantization = _weight_quantization(hf_config, args.quantization, is_gguf)
+    checkpoint_quantization = None if is_gguf else _checkpoint_quantization(hf_config, args.quantization)
+    quantization = (
+        None if checkpoint_quantization else _weight_quantization(hf_config, args.quantization, is_gguf)
+    )
     if args.dtype == "auto":
         dtype = "float32" if platform() == "cpu" else _checkpoint_dtype(hf_config)
         if dtype == "float32" and platform() != "cpu":
@@ -189,11 +192,37 @@ def model_config_from_args(args) -> ModelConfig:
         skip_tokenizer_init=args.skip_tokenizer_init,
         use_tqdm_on_load=args.use_tqdm_on_load,
         quantization=quantization,
+        checkpoint_quantization=checkpoint_quantization,
     )
 
 
 # quantization_config.quant_method of a directory that `jaxserve convert --quantization M` wrote
 CONVERTED_QUANT_METHOD = "jaxserve-{}"
+
+
+def _checkpoint_quantization(hf_config: dict, flag: str | None) -> str | None:
+    """The method of a checkpoint another tool quantized ("fp8", "compressed-tensors": served
+    from its own values, loader/prequantized.py), or None. --quantization may repeat it."""
+    from jaxserve.loader.prequantized import METHODS, checkpoint_scheme
+
+    config = hf_config.get("quantization_config") or {}
+    method = config.get("quant_method")
+    if method not in METHODS:
+        return None
+    scheme = checkpoint_scheme(config)  # ValueError for what cannot be read
+    if flag not in (None, method):
+        raise ValueError(
+            f"--quantization {flag} does not match the checkpoint, which is quantized with {method}."
+        )
+    logger.info(
+        "The checkpoint's %s weights are served as stored (%s)%s",
+        scheme.weights,
+        method,
+        "; its activation scales are not applied (activations stay unquantized)"
+        if scheme.activations
+        else "",
+    )
+    return method
 
 
 def _weight_quantization(hf_config: dict, flag: str | None, is_gguf: bool) -> str | None:

@@ -11,9 +11,11 @@ norms and biases keep the model's dtype, as in vLLM's weight-only schemes.
 A quantized kernel `q_proj` comes with a `q_proj_scale` parameter beside it (logical axes: the
 kernel's without the input axis, so tensor parallelism shards the scales with their channels).
 
-A GGUF file's quantized projections are served in their own groups of 32 inputs (`q8`: Q8_0's
-int8 values and a scale per group; `q4`: Q4_0, Q4_1 and Q4_K's 4-bit values with a scale and a
-min per group, w = q * scale + min). 4-bit values are kept two per byte: the byte of row
+A quantized checkpoint's projections are served in their own values and groups: a GGUF file's
+groups of 32 inputs (`q8`: Q8_0's int8 values and a scale per group; `q4`: Q4_0, Q4_1 and Q4_K's
+4-bit values with a scale and a min per group, w = q * scale + min), and a checkpoint quantized
+by another tool (loader/prequantized.py) in int8 or fp8 with a scale per output channel (`int8`,
+`fp8`, as above) or per group of N inputs too (`int8/N`, `fp8/N`: scales [..., in / N, out]). 4-bit values are kept two per byte: the byte of row
 64b + t holds that row (low nibble) and row 64b + 32 + t (high nibble), so each nibble is a
 whole group and the two halves of the input feed two dots whose results add; XLA:CPU then
 unpacks inside each layer's fused convert, as fast as int8 (benchmarks/quantized_matmul.py).
@@ -40,6 +42,14 @@ GROUP = 32  # inputs per group of a GGUF format
 GROUPED_FORMATS = ("q8", "q4")
 
 
+def group_rows(fmt: str | None) -> int:
+    """Inputs that share a scale in a grouped format (a 4-bit pair of groups counts whole), 0 if
+    the format has one scale per output channel (or is None)."""
+    if fmt is not None and "/" in fmt:
+        return int(fmt.partition("/")[2])
+    return {"q4": 2 * GROUP, "q8": GROUP}.get(fmt, 0)
+
+
 def kernel_params(
     rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype, quantization: str | None
 ) -> dict[str, nnx.Param]:
@@ -49,7 +59,7 @@ def kernel_params(
     if quantization is None:
         value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
         return {"": nnx.Param(value, logical_axes=axes)}
-    if quantization in GROUPED_FORMATS:
+    if quantization in GROUPED_FORMATS or "/" in quantization:
         return _grouped_params(rngs, shape, axes, quantization)
     stored, qmax = WEIGHT_QUANTIZATIONS[quantization]
     unit = jax.random.normal(rngs.params(), shape, jnp.float32)  # values of ~qmax/4 spread
@@ -65,9 +75,14 @@ def kernel_params(
 def _grouped_params(rngs: nnx.Rngs, shape, axes, fmt: str) -> dict[str, nnx.Param]:
     *lead, d_in, d_out = shape
     unit = jax.random.normal(rngs.params(), shape, jnp.float32)
-    if fmt == "q8":
-        values = jnp.round(jnp.clip(unit * 32, -127, 127)).astype(jnp.int8)
-        scale = jnp.full((*lead, d_in // GROUP, d_out), 0.02 / 32, jnp.float32)
+    if fmt != "q4":  # int8 (or fp8) values in groups of `rows` inputs: q8, int8/N, fp8/N
+        stored, qmax = WEIGHT_QUANTIZATIONS[fmt.partition("/")[0] if "/" in fmt else "int8"]
+        rows = group_rows(fmt)
+        if d_in % rows:
+            raise ValueError(f"{d_in} inputs do not split into groups of {rows}.")
+        values = jnp.clip(unit * qmax / 4, -qmax, qmax)
+        values = (jnp.round(values) if stored == np.int8 else values).astype(stored)
+        scale = jnp.full((*lead, d_in // rows, d_out), 0.08 / qmax, jnp.float32)
         return {"": nnx.Param(values, logical_axes=axes), SCALE_SUFFIX: nnx.Param(scale, logical_axes=axes)}
     if d_in % (2 * GROUP):
         raise ValueError(f"4-bit GGUF kernels need a multiple of {2 * GROUP} inputs, got {d_in}.")
@@ -81,10 +96,11 @@ def _grouped_params(rngs: nnx.Rngs, shape, axes, fmt: str) -> dict[str, nnx.Para
 
 
 def _groups(values: jax.Array, scale: jax.Array, mins: jax.Array | None) -> jax.Array:
-    """Group-quantized values [in, out] (groups of GROUP rows) with their [in / GROUP, out]
-    scales (and mins) -> float32."""
+    """Group-quantized values [in, out] with their [in / rows, out] scales (and mins), a scale
+    per `rows` inputs -> float32."""
     d_in, d_out = values.shape
-    w = values.astype(jnp.float32).reshape(d_in // GROUP, GROUP, d_out) * scale[:, None]
+    groups = scale.shape[0]
+    w = values.astype(jnp.float32).reshape(groups, d_in // groups, d_out) * scale[:, None]
     return (w if mins is None else w + mins[:, None]).reshape(d_in, d_out)
 
 
@@ -96,7 +112,7 @@ def linear(x: jax.Array, w: Mapping[str, jax.Array], name: str) -> jax.Array:
         y = x @ kernel
     elif scale.ndim < kernel.ndim:  # one scale per output channel
         y = (jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32) * scale).astype(x.dtype)
-    elif scale.ndim == kernel.ndim:  # q8: int8 in groups of 32 inputs
+    elif scale.ndim == kernel.ndim:  # int8 or fp8 in groups of inputs: q8, int8/N, fp8/N
         y = jnp.dot(x.astype(jnp.float32), _groups(kernel, scale, None)).astype(x.dtype)
     else:  # q4: two 4-bit values a byte, each nibble a half of the groups
         mins = w[f"{name}_proj{MIN_SUFFIX}"]

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig, ParallelConfig
-from jaxserve.layers.linear import MIN_SUFFIX, SCALE_SUFFIX, pack_q4, quantize_kernel
+from jaxserve.layers.linear import MIN_SUFFIX, SCALE_SUFFIX, group_rows, pack_q4, quantize_kernel
 from jaxserve.loader import file_cache
 from jaxserve.models.registry import resolve_architecture
 from jaxserve.sharding import named_sharding, state_shardings
@@ -29,24 +29,21 @@ def build_model_args(model_config: ModelConfig, parallel: ParallelConfig | None 
     _, entry = resolve_architecture(model_config.hf_config)
     args = entry.make_args(model_config.hf_config, model_config.max_model_len)
     tp = parallel.tensor_parallel_size if parallel is not None else 1
-    if model_config.quantization == "gguf":  # projections served in the file's own groups
-        from jaxserve.loader.gguf import gguf_kernel_formats
-
-        saved = (model_config.get("quantization_config") or {}).get("kernel_formats")  # converted
-        formats = saved if saved is not None else gguf_kernel_formats(model_config.model)
+    formats = checkpoint_kernel_formats(model_config, args)
+    if formats:  # projections served in the checkpoint's own quantized values
         formats = {hf.split(".")[-1]: fmt for hf, fmt in formats.items()}
         # the projections split by input under tensor parallelism: whole groups (4 bits: pairs) each
         split_inputs = {"o_proj": args.num_heads * args.head_dim, "down_proj": args.intermediate_size}
         for name, inputs in split_inputs.items():
-            rows = {"q4": 64, "q8": 32}.get(formats.get(name), 0)
+            rows = group_rows(formats.get(name))
             if rows and (inputs // rows) % tp:
                 raise ValueError(
-                    f"tensor_parallel_size={tp} does not split the GGUF groups of {name} ({inputs} "
-                    f"inputs, {inputs // rows} groups of {rows}); serve the file with --quantization "
-                    "none (dequantized) or another tensor_parallel_size."
+                    f"tensor_parallel_size={tp} does not split the quantization groups of {name} ({inputs} "
+                    f"inputs, {inputs // rows} groups of {rows}); serve the checkpoint dequantized (a GGUF "
+                    "file with --quantization none) or with another tensor_parallel_size."
                 )
         args = dataclasses.replace(args, kernel_formats=tuple(sorted(formats.items())))
-    elif model_config.quantization is not None:  # the layers' projections quantized at load
+    elif model_config.quantization not in (None, "gguf"):  # the layers' projections quantized at load
         args = dataclasses.replace(args, quantization=model_config.quantization)
     moe = getattr(args, "moe", None)  # expert parallelism means something only to MoE models
     if moe is not None and parallel is not None and parallel.enable_expert_parallel:
@@ -80,6 +77,31 @@ def build_model_args(model_config: ModelConfig, parallel: ParallelConfig | None 
     return entry, args
 
 
+def checkpoint_kernel_formats(model_config: ModelConfig, args) -> dict[str, str]:
+    """HF projection names (``self_attn.q_proj``) -> the format the checkpoint's own quantized
+    values are served in (layers/linear.py): a GGUF file's groups, a converted checkpoint's, or
+    a pre-quantized checkpoint's int8 / fp8 values; {} for a model in float."""
+    if not hasattr(args, "kernel_formats"):  # (families without Llama-style layers: dequantized)
+        return {}
+    if model_config.quantization == "gguf":
+        from jaxserve.loader.gguf import gguf_kernel_formats
+
+        saved = (model_config.get("quantization_config") or {}).get("kernel_formats")  # converted
+        return saved if saved is not None else gguf_kernel_formats(model_config.model)
+    if model_config.checkpoint_quantization is not None:
+        from jaxserve.loader.prequantized import checkpoint_scheme, kernel_formats
+
+        scheme = checkpoint_scheme(model_config.get("quantization_config"))
+        return {
+            k: f for k, f in kernel_formats(model_config.model, scheme).items() if k.split(".")[-1] in SERVED
+        }
+    return {}
+
+
+# The projections a quantized checkpoint's values are served in, as the Llama-style layers name them
+SERVED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def repeat_kv_heads(tensor, axis: int, copies: int, head_dim: int):
     """Each head_dim-sized block along `axis` repeated `copies` times in place (head j becomes
     heads j*copies .. j*copies+copies-1), so query head h still reads KV head h // group."""
@@ -100,6 +122,10 @@ def _kv_axis(var) -> int | None:
 
 def _checkpoint_tensors(model_config: ModelConfig, args) -> Iterable[tuple[str, np.ndarray]]:
     use_tqdm = model_config.use_tqdm_on_load
+    if model_config.checkpoint_quantization is not None:
+        from jaxserve.loader.prequantized import prequantized_tensors
+
+        return prequantized_tensors(model_config.model, dict(args.kernel_formats), use_tqdm=use_tqdm)
     if model_config.load_format == "gguf":
         from jaxserve.loader.gguf import gguf_kernel_formats, iter_gguf_tensors
 
@@ -141,7 +167,9 @@ def load_model(
     quantized = {
         p.removesuffix(SCALE_SUFFIX)
         for p, v in values.items()
-        if p.endswith(SCALE_SUFFIX) and v.ndim == values[p.removesuffix(SCALE_SUFFIX)].ndim - 1
+        if p.endswith(SCALE_SUFFIX)
+        and v.ndim == values[p.removesuffix(SCALE_SUFFIX)].ndim - 1
+        and p.split(".")[-1].removesuffix(SCALE_SUFFIX) not in dict(getattr(args, "kernel_formats", ()))
     }
     paths = set(values) - {p + SCALE_SUFFIX for p in quantized}  # (made below, not read)
     buffers = None

@@ -17,7 +17,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -81,8 +81,11 @@ def read_hf_config(model_dir: str) -> dict:
     return config
 
 
-def iter_safetensors(model_dir: str, use_tqdm: bool = True) -> Iterator[tuple[str, np.ndarray]]:
-    """Every tensor of the checkpoint as ``(hf_name, array)``, one at a time.
+def iter_safetensors(
+    model_dir: str, use_tqdm: bool = True, select: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor of the checkpoint as ``(hf_name, array)``, one at a time (only the names
+    `select` accepts, when given).
 
     All headers are read and checked before the first tensor is yielded, so a missing shard or a
     truncated file fails at once, not after minutes of loading the shards before it. One tensor is
@@ -91,8 +94,15 @@ def iter_safetensors(model_dir: str, use_tqdm: bool = True) -> Iterator[tuple[st
     files = _checkpoint_files(model_dir)
     plan = [(path, _read_header(path)) for path in files]
     _check_index_coverage(model_dir, plan)
+    if select is not None:
+        plan = [(path, [e for e in entries if select(e.name)]) for path, entries in plan]
     total = sum(len(entries) for _, entries in plan)
     return _iter_planned(plan, total, use_tqdm)
+
+
+def read_headers(model_dir: str) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """Every tensor's dtype and shape, from the headers alone."""
+    return {e.name: (e.dtype, e.shape) for path in _checkpoint_files(model_dir) for e in _read_header(path)}
 
 
 def _iter_planned(

@@ -144,6 +144,12 @@ class ModelRunner:
                     self.kv_spec.dtype.name,
                     mc.get("model_type"),
                 )
+            elif mc.checkpoint_quantization and self.kv_spec.dtype.name.startswith("float8"):
+                from jaxserve.loader.prequantized import checkpoint_kv_scales
+
+                found = checkpoint_kv_scales(mc.model, self.args.num_layers)  # an fp8 checkpoint's own
+                if found is not None and not cc.calculate_kv_scales:
+                    self.kv_scales = found
         max_useful = sc.max_num_seqs * self.pages_per_seq + 1
         self.num_blocks = num_blocks_for(self.kv_spec, cc, max_useful, self.mesh)
         kv_tokens = (self.num_blocks - 1) * self.page_size  # block 0 is never handed out

@@ -74,7 +74,9 @@ def test_a_tensor_parallel_size_that_would_split_a_group_is_refused(quantized_gg
     config = EngineArgs(model=tiny.path, **engine_kwargs()).create_engine_config().model_config
     # (the tiny vocabulary of 269 cannot be split either: that check comes after the groups')
     message = (
-        "vocab_size" if kind == "Q8_0" else "tensor_parallel_size=2 does not split the GGUF groups of o_proj"
+        "vocab_size"
+        if kind == "Q8_0"
+        else "tensor_parallel_size=2 does not split the quantization groups of o_proj"
     )
     with pytest.raises(ValueError, match=message):
         build_model_args(config, ParallelConfig(tensor_parallel_size=2))
