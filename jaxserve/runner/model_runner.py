@@ -135,6 +135,11 @@ class ModelRunner:
         )
         # A quantized pool's per-layer key and value scales (runner/kv_scales.py), sent with each step.
         self.kv_scales = None
+        if self.kv_spec.dtype.name.startswith("float8") and self.mesh.devices.flat[0].platform == "cpu":
+            logger.warning(  # measured in benchmarks/quantization.py
+                "fp8 KV pages are written through a copy of the whole pool on the CPU (XLA:CPU has no "
+                "fp8 scatter): every step is many times slower; --kv-cache-dtype int8 is the CPU's choice."
+            )
         if is_quantized(self.kv_spec.dtype):
             self.kv_scales = np.ones((self.args.num_layers, 2), np.float32)
             if cc.quantization_param_path:
