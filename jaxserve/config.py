@@ -110,6 +110,12 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    max_loras: int = 1  # adapters one step may mix: the device's LoRA slots
+    max_lora_rank: int = 16  # slots hold adapters of up to this rank
+
+
+@dataclass(frozen=True)
 class CompilationConfig:
     enforce_eager: bool = False
     # Explicit bucket lists (None: derived from the scheduler limits in runner/bucketing.py).
@@ -148,3 +154,4 @@ class EngineConfig:
     parallel_config: ParallelConfig
     compilation_config: CompilationConfig
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    lora_config: LoRAConfig | None = None  # None: no LoRA slots

@@ -104,6 +104,7 @@ class ScheduledSeq(NamedTuple):
     # fed token, which the host does not have yet (token_ids holds PLACEHOLDER_TOKEN there; the
     # runner feeds the token from the previous step's device output). -1: every token is known.
     feed_from_row: int = -1
+    lora_slot: int = -1  # the device LoRA slot of the request's adapter; -1: the base model
 
     @property
     def num_new(self) -> int:

@@ -51,18 +51,21 @@ GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, out
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(graphdef, state, kv_pool, inputs):
     model = nnx.merge(graphdef, state)
-    logits, _ = model(inputs.input_ids, inputs.positions, kv_pool, inputs.meta, inputs.logits_indices)
+    lora = {} if inputs.lora_slots is None else {"lora_slots": inputs.lora_slots}
+    logits, _ = model(inputs.input_ids, inputs.positions, kv_pool, inputs.meta, inputs.logits_indices, **lora)
     return logits
 
 
-def prompt_logits(runner: ModelRunner, token_ids: list[int]) -> np.ndarray:
+def prompt_logits(runner: ModelRunner, token_ids: list[int], lora_slot: int = -1) -> np.ndarray:
     """Run the model over one prompt through the runner's own batch layout and paged KV
-    pool, asking for logits at every position. Prompts are padded to a power of two of at
-    least 64 tokens, so one compiled program serves every short prompt of a test."""
+    pool, asking for logits at every position (with the adapter in `lora_slot`). Prompts are
+    padded to a power of two of at least 64 tokens, so one compiled program serves every short
+    prompt of a test."""
     n = len(token_ids)
     padded = max(64, 1 << (n - 1).bit_length())
     pages = tuple(range(1, 1 + -(-n // runner.page_size)))
-    sched = SchedulerOutput((ScheduledSeq("r", tuple(token_ids), 0, pages, GREEDY),))
+    seq = ScheduledSeq("r", tuple(token_ids), 0, pages, GREEDY, lora_slot=lora_slot)
+    sched = SchedulerOutput((seq,))
     inputs = batch_lib.prepare(
         sched,
         padded,
@@ -72,6 +75,7 @@ def prompt_logits(runner: ModelRunner, token_ids: list[int]) -> np.ndarray:
         runner.pad_slot,
         runner.attention_backend,
         runner.kv_scales,
+        bool(runner._lora_keys),
     )
     indices = np.zeros(padded, np.int32)
     indices[:n] = np.arange(n)

@@ -40,6 +40,9 @@ SCALE_SUFFIX = "_scale"
 MIN_SUFFIX = "_min"
 GROUP = 32  # inputs per group of a GGUF format
 GROUPED_FORMATS = ("q8", "q4")
+# The projections a LoRA adapter may adapt, as PEFT (and the Llama-style layers) name them
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_SUFFIXES = ("_lora_a", "_lora_b")
 
 
 def group_rows(fmt: str | None) -> int:
@@ -104,8 +107,30 @@ def _groups(values: jax.Array, scale: jax.Array, mins: jax.Array | None) -> jax.
     return (w if mins is None else w + mins[:, None]).reshape(d_in, d_out)
 
 
-def linear(x: jax.Array, w: Mapping[str, jax.Array], name: str) -> jax.Array:
-    """x @ w[name_proj] (+ w[name_bias]); a quantized kernel is dequantized in the matmul."""
+def lora_params(
+    shape: tuple[int, ...], axes: tuple[str | None, ...], slots: int, rank: int
+) -> dict[str, nnx.Param]:
+    """The LoRA slots of a stacked projection [layers, in, out] by name suffix: "_lora_a"
+    [layers, slots, in, rank] and "_lora_b" [layers, slots, rank, out] (the adapter's scaling in
+    B), zero until an adapter is written into a slot; sharded along the kernel's own in and out
+    axes, so each device computes its part of the update beside its part of the projection."""
+    layers, d_in, d_out = shape
+    return {
+        "_lora_a": nnx.Param(
+            jnp.zeros((layers, slots, d_in, rank), jnp.float32), logical_axes=(axes[0], None, axes[1], None)
+        ),
+        "_lora_b": nnx.Param(
+            jnp.zeros((layers, slots, rank, d_out), jnp.float32), logical_axes=(axes[0], None, None, axes[2])
+        ),
+    }
+
+
+def linear(x: jax.Array, w: Mapping[str, jax.Array], name: str, lora: jax.Array | None = None) -> jax.Array:
+    """x @ w[name_proj] (+ w[name_bias]); a quantized kernel is dequantized in the matmul. With
+    LoRA slots (`lora`: [rows, slots], each row's slot one-hot, all zero for the base model),
+    every row adds its own adapter's (x A) B: the products for all slots, masked per row (a few
+    slots of a small rank cost a fraction of the projection), no gather and no recompile whatever
+    the mix."""
     kernel = w[f"{name}_proj"]
     scale = w.get(f"{name}_proj{SCALE_SUFFIX}")
     if scale is None:
@@ -122,6 +147,10 @@ def linear(x: jax.Array, w: Mapping[str, jax.Array], name: str) -> jax.Array:
             jnp.dot(part.reshape(*x.shape[:-1], -1), _groups(nibble, scale[:, i], mins[:, i]))
             for i, (nibble, part) in enumerate(halves)
         ).astype(x.dtype)
+    lora_a = w.get(f"{name}_proj_lora_a")
+    if lora_a is not None and lora is not None:
+        xa = jnp.einsum("ti,sir->tsr", x.astype(jnp.float32), lora_a) * lora[:, :, None]
+        y = y + jnp.einsum("tsr,sro->to", xa, w[f"{name}_proj_lora_b"]).astype(y.dtype)
     bias = w.get(f"{name}_bias")
     return y if bias is None else y + bias
 

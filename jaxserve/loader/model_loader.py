@@ -18,16 +18,24 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.config import ModelConfig, ParallelConfig
+from jaxserve.config import LoRAConfig, ModelConfig, ParallelConfig
 from jaxserve.layers.linear import MIN_SUFFIX, SCALE_SUFFIX, group_rows, pack_q4, quantize_kernel
 from jaxserve.loader import file_cache
 from jaxserve.models.registry import resolve_architecture
 from jaxserve.sharding import named_sharding, state_shardings
 
 
-def build_model_args(model_config: ModelConfig, parallel: ParallelConfig | None = None):
+def build_model_args(
+    model_config: ModelConfig, parallel: ParallelConfig | None = None, lora: LoRAConfig | None = None
+):
     _, entry = resolve_architecture(model_config.hf_config)
     args = entry.make_args(model_config.hf_config, model_config.max_model_len)
+    if lora is not None:
+        if not hasattr(args, "max_loras") or getattr(args, "moe", None) is not None:
+            raise ValueError(
+                f"LoRA adapters are served for the dense Llama-style families, not {model_config.architecture}."
+            )
+        args = dataclasses.replace(args, max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank)
     tp = parallel.tensor_parallel_size if parallel is not None else 1
     formats = checkpoint_kernel_formats(model_config, args)
     if formats:  # projections served in the checkpoint's own quantized values
@@ -141,9 +149,34 @@ def _checkpoint_tensors(model_config: ModelConfig, args) -> Iterable[tuple[str, 
 
 
 def load_model(
+    model_config: ModelConfig,
+    mesh: Mesh,
+    parallel: ParallelConfig | None = None,
+    lora: LoRAConfig | None = None,
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """Returns the model split once into (graphdef, sharded state); with `lora`, the state holds
+    the LoRA slots too, all zero (the base model) until the runner writes adapters into them."""
+    graphdef, state = _load_model(model_config, mesh, parallel)
+    if lora is None:
+        return graphdef, state
+    entry, args = build_model_args(model_config, parallel, lora)
+    dtype = jnp.dtype(model_config.dtype)
+    graphdef, abstract = nnx.split(
+        nnx.eval_shape(lambda: entry.model_cls(args, dtype=dtype, rngs=nnx.Rngs(0)))
+    )
+    loaded, flat = dict(nnx.to_flat_state(state)), dict(nnx.to_flat_state(abstract))
+    for key, var in flat.items():
+        if key in loaded:
+            var.value = loaded[key].value
+        else:  # a LoRA slot
+            sharding = named_sharding(mesh, var.get_metadata()["logical_axes"])
+            var.value = jax.jit(lambda s=var.value: jnp.zeros(s.shape, s.dtype), out_shardings=sharding)()
+    return graphdef, nnx.from_flat_state(flat)
+
+
+def _load_model(
     model_config: ModelConfig, mesh: Mesh, parallel: ParallelConfig | None = None
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    """Returns the model split once into (graphdef, sharded state)."""
     entry, args = build_model_args(model_config, parallel)
     moe = getattr(args, "moe", None)
     expert_parallel = moe is not None and moe.expert_parallel

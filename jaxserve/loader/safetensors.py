@@ -100,6 +100,12 @@ def iter_safetensors(
     return _iter_planned(plan, total, use_tqdm)
 
 
+def iter_safetensors_file(path: str) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor of one .safetensors file, checked whole first (see iter_safetensors)."""
+    entries = _read_header(path)
+    return _iter_planned([(path, entries)], len(entries), False)
+
+
 def read_headers(model_dir: str) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
     """Every tensor's dtype and shape, from the headers alone."""
     return {e.name: (e.dtype, e.shape) for path in _checkpoint_files(model_dir) for e in _read_header(path)}

@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxserve.layers.activation import ACTIVATIONS
 from jaxserve.layers.attention import AttentionMetadata, paged_attention
-from jaxserve.layers.linear import SCALE_SUFFIX, kernel_params, linear
+from jaxserve.layers.linear import LORA_TARGETS, SCALE_SUFFIX, kernel_params, linear, lora_params
 from jaxserve.layers.moe import MoEArgs, moe_mlp
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import apply_rope, rope_attention_scaling, rope_inv_freq
@@ -71,6 +71,9 @@ class LlamaArgs:
     # a GGUF file's own formats per projection ("q_proj" -> "q8" or "q4") take precedence.
     quantization: str | None = None
     kernel_formats: tuple[tuple[str, str], ...] = ()
+    # LoRA: device slots for this many adapters of rank up to max_lora_rank (0: no LoRA)
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
     @classmethod
     def from_hf(cls, hf: Mapping, max_model_len: int) -> LlamaArgs:
@@ -134,7 +137,10 @@ class LlamaLayers(nnx.Module):
 
         def kernel(name: str, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> None:
             fmt = formats.get(name, a.quantization)
-            for suffix, param in kernel_params(rngs, shape, axes, dtype, fmt).items():
+            params = kernel_params(rngs, shape, axes, dtype, fmt)
+            if a.max_loras and name in LORA_TARGETS:
+                params.update(lora_params(shape, axes, a.max_loras, a.max_lora_rank))
+            for suffix, param in params.items():
                 setattr(self, name + suffix, param)
 
         self.input_norm = _param(rngs, (n, e), ("layers", "norm"), dtype, "ones")
@@ -199,10 +205,14 @@ class LlamaForCausalLM(nnx.Module):
         kv_pool: jax.Array,  # [num_layers * pages_per_layer, 2 * num_kv_heads, page_size, head_dim]
         meta: AttentionMetadata,
         logits_indices: jax.Array,  # [num_logits] int32, rows of the batch to compute logits for
+        lora_slots: jax.Array | None = None,  # [num_tokens] int32, each token's LoRA slot (-1: none)
     ) -> tuple[jax.Array, jax.Array]:  # ([num_logits, vocab] float32, kv_pool)
         a = self.args
         num_tokens = input_ids.shape[0]
         pages_per_layer = kv_pool.shape[0] // a.num_layers
+        lora = None
+        if lora_slots is not None and a.max_loras:
+            lora = (lora_slots[:, None] == jnp.arange(a.max_loras, dtype=jnp.int32)).astype(jnp.float32)
         sm_scale = a.attn_scale or a.head_dim**-0.5
         act = ACTIVATIONS[a.hidden_act]
         x = self.embed_tokens.value[input_ids]  # [num_tokens, hidden]
@@ -228,9 +238,9 @@ class LlamaForCausalLM(nnx.Module):
             w, per_layer = xs
             layer_freq = per_layer.get("inv_freq", inv_freq)
             h = norm(x, w["input_norm"])
-            q = linear(h, w, "q").reshape(num_tokens, a.num_heads, a.head_dim)
-            k = linear(h, w, "k").reshape(num_tokens, a.num_kv_heads, a.head_dim)
-            v = linear(h, w, "v").reshape(num_tokens, a.num_kv_heads, a.head_dim)
+            q = linear(h, w, "q", lora).reshape(num_tokens, a.num_heads, a.head_dim)
+            k = linear(h, w, "k", lora).reshape(num_tokens, a.num_kv_heads, a.head_dim)
+            v = linear(h, w, "v", lora).reshape(num_tokens, a.num_kv_heads, a.head_dim)
             if a.qk_norm:
                 q = norm(q, w["q_norm"])
                 k = norm(k, w["k_norm"])
@@ -248,7 +258,7 @@ class LlamaForCausalLM(nnx.Module):
                 sliding_window=per_layer.get("window", shared_window),
                 soft_cap=a.attn_soft_cap,
             )
-            out = linear(attn.reshape(num_tokens, -1), w, "o")
+            out = linear(attn.reshape(num_tokens, -1), w, "o", lora)
             x = x + (norm(out, w["attn_out_norm"]) if a.sandwich_norms else out)
             h = norm(x, w["post_norm"])
             if a.moe:
@@ -256,7 +266,7 @@ class LlamaForCausalLM(nnx.Module):
                 scales = tuple(w[n + SCALE_SUFFIX] for n in names) if a.quantization else None
                 out = moe_mlp(h, w["router"], *(w[n] for n in names), a.moe, scales)
             else:
-                out = linear(act(linear(h, w, "gate")) * linear(h, w, "up"), w, "down")
+                out = linear(act(linear(h, w, "gate", lora)) * linear(h, w, "up", lora), w, "down", lora)
             x = x + (norm(out, w["mlp_out_norm"]) if a.sandwich_norms else out)
             return (x, kv_pool), None
 

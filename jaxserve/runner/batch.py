@@ -44,6 +44,8 @@ class BatchInputs:
     # [num_tokens] int32: for a token the host does not have yet (asynchronous scheduling), the row
     # of the previous step's sampled tokens it is taken from on the device; -1 elsewhere
     feed_rows: np.ndarray
+    # [num_tokens] int32: each token's LoRA slot (-1: the base model); None without LoRA slots
+    lora_slots: np.ndarray | None = None
 
 
 def prepare(
@@ -55,6 +57,7 @@ def prepare(
     pad_slot: int,  # a slot index past the KV pool: writes there are dropped
     attention_backend: str,  # the kernel the step traces (AttentionMetadata.backend)
     kv_scales: np.ndarray | None = None,  # [num_layers, 2] float32, a quantized pool's (AttentionMetadata)
+    with_lora: bool = False,  # the model has LoRA slots: each token's slot goes with the batch
 ) -> BatchInputs:
     seqs = sched.seqs
     n = len(seqs)
@@ -124,6 +127,10 @@ def prepare(
     fed = feed_from >= 0
     feed_rows[cu[1 : n + 1][fed] - 1] = feed_from[fed]  # each such row's last token
 
+    lora_slots = None
+    if with_lora:
+        lora_slots = np.full(num_tokens, -1, np.int32)
+        lora_slots[:total] = np.repeat(np.fromiter((s.lora_slot for s in seqs), np.int32, n), q_lens)
     return BatchInputs(
         input_ids=input_ids,
         positions=positions,
@@ -152,6 +159,7 @@ def prepare(
         ),
         prompt_targets=prompt_targets,
         feed_rows=feed_rows,
+        lora_slots=lora_slots,
     )
 
 

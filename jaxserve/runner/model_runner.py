@@ -34,8 +34,10 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig, jaxserve_cache_dir
 from jaxserve.layers.attention import pool_head_dim
+from jaxserve.layers.linear import LORA_SUFFIXES
 from jaxserve.layers.sampler import ProcessorState
-from jaxserve.loader.model_loader import build_model_args, load_model
+from jaxserve.loader.model_loader import build_model_args, load_model, repeat_kv_heads
+from jaxserve.lora.adapter import LoRAAdapter
 from jaxserve.runner import batch as batch_lib
 from jaxserve.runner import kv_scales
 from jaxserve.runner.bucketing import Buckets
@@ -111,10 +113,12 @@ class ModelRunner:
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         self.mesh = mesh or make_mesh(config.parallel_config.tensor_parallel_size)
         self.executables = enable_compilation_cache(config.compilation_config.cache_dir, self.mesh)
-        entry, self.args = build_model_args(mc, config.parallel_config)
+        entry, self.args = build_model_args(mc, config.parallel_config, config.lora_config)
         self._model_name = f"{entry.model_cls.__module__}.{entry.model_cls.__qualname__}"
         start = time.perf_counter()
-        self.graphdef, self.state = load_model(mc, self.mesh, config.parallel_config)
+        self.graphdef, self.state = load_model(mc, self.mesh, config.parallel_config, config.lora_config)
+        self._lora_keys = sorted(k for k, _ in self.state.flat_state() if str(k[-1]).endswith(LORA_SUFFIXES))
+        self._write_lora = None  # the program that writes an adapter into a slot (see set_lora_slot)
         logger.info(
             "Loaded weights in %.2f s: %.1f MiB in all, %.1f MiB on the fullest of %d devices",
             time.perf_counter() - start,
@@ -228,6 +232,7 @@ class ModelRunner:
             self.pad_slot,
             self.attention_backend,
             self.kv_scales,
+            bool(self._lora_keys),
         )
 
     def _compile(self, bucket: tuple[int, int], variant: StepVariant = StepVariant()):
@@ -426,6 +431,36 @@ class ModelRunner:
             self.kv_scales[:, 1].min(), self.kv_scales[:, 1].max(),
         )  # fmt: skip
 
+    def set_lora_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Write an adapter (None: zeros, the base model) into LoRA slot `slot` of every adapted
+        projection: one compiled program for any slot and adapter (ranks are padded to the
+        slots' rank with zeros), so loading and swapping adapters never compiles."""
+        if self.channel is not None:
+            self.channel.publish("set_lora_slot", slot, adapter)
+        flat = dict(self.state.flat_state())
+        arrays = {k: flat[k].value for k in self._lora_keys}
+        values = {}
+        copies = getattr(self.args, "kv_head_copies", 1)
+        for key, array in arrays.items():
+            proj, part = str(key[-1]).rsplit("_lora_", 1)
+            value = np.zeros((array.shape[0], *array.shape[2:]), np.float32)
+            if adapter is not None and proj in adapter.weights:
+                w = adapter.weights[proj][0 if part == "a" else 1]
+                if part == "b" and proj in ("k_proj", "v_proj") and copies > 1:  # as the kernels' heads
+                    w = repeat_kv_heads(w, 2, copies, self.args.head_dim)
+                value[:, : w.shape[1], : w.shape[2]] = w  # rank padded with zeros
+            values[key] = value
+        if self._write_lora is None:
+            self._write_lora = jax.jit(
+                lambda arrays, slot, values: {k: a.at[:, slot].set(values[k]) for k, a in arrays.items()},
+                donate_argnums=0,
+                out_shardings={k: a.sharding for k, a in arrays.items()},
+            )
+        with jax.set_mesh(self.mesh):
+            written = self._write_lora(arrays, np.int32(slot), values)
+        for key in self._lora_keys:
+            flat[key].value = written[key]
+
     @property
     def num_compiled(self) -> int:
         return len(self._compiled)
@@ -462,6 +497,7 @@ class ModelRunner:
             self.pad_slot,
             self.attention_backend,
             self.kv_scales,
+            bool(self._lora_keys),
         )
         for s in sched.seqs:
             if s.slot_init is not None:

@@ -104,7 +104,8 @@ def forward(
     all_rows = variant.with_prompt_logprobs
     rows = jnp.arange(inputs.input_ids.shape[0], dtype=jnp.int32) if all_rows else inputs.logits_indices
     fed = jnp.where(inputs.feed_rows >= 0, last_tokens[jnp.maximum(inputs.feed_rows, 0)], inputs.input_ids)
-    logits, kv_pool = model(fed, inputs.positions, kv_pool, inputs.meta, rows)
+    lora = {} if inputs.lora_slots is None else {"lora_slots": inputs.lora_slots}
+    logits, kv_pool = model(fed, inputs.positions, kv_pool, inputs.meta, rows, **lora)
     return kv_pool, logits
 
 

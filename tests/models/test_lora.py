@@ -1,0 +1,151 @@
+"""LoRA adapters in device slots against transformers + peft.
+
+Random PEFT adapters (random A and B, not peft's no-op start) of different ranks, targets and
+scalings (lora_alpha / r, and rsLoRA's lora_alpha / sqrt(r)) on a tiny Llama: with an adapter
+written into a slot, jaxserve's logits at every prompt position equal peft's model with that
+adapter; one batch mixing the adapters and the base model gives each row what it gives alone;
+and rewriting slots (an adapter evicted and written back elsewhere) compiles nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from reference_checks import GREEDY, compilations, prompt_logits, teacher_forced_logits
+from tiny_models import engine_kwargs, make_llama_checkpoint
+
+from jaxserve.args import EngineArgs
+from jaxserve.config import LoRAConfig
+from jaxserve.lora.adapter import projection_shapes, read_adapter
+from jaxserve.runner import batch as batch_lib
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.scheduler_output import ScheduledSeq, SchedulerOutput
+
+# name: (rank, lora_alpha, use_rslora, target modules)
+ADAPTERS = {
+    "attn": (8, 16, False, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "mlp": (4, 8, True, ["gate_proj", "up_proj", "down_proj"]),
+    "all": (16, 32, False, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """The base checkpoint, and per adapter (its directory, the peft model with it)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    base_dir = tmp_path_factory.mktemp("lora-base")
+    base = make_llama_checkpoint(base_dir, "gqa")
+    made = {}
+    for i, (name, (rank, alpha, rslora, targets)) in enumerate(sorted(ADAPTERS.items())):
+        torch.manual_seed(100 + i)
+        config = LoraConfig(
+            r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets, init_lora_weights=False
+        )
+        model = get_peft_model(copy.deepcopy(base), config).eval()
+        path = tmp_path_factory.mktemp(f"lora-{name}")
+        model.save_pretrained(path)
+        made[name] = (str(path), model)
+    return str(base_dir), base, made
+
+
+def _runner(base_dir: str, max_loras: int = 4) -> ModelRunner:
+    config = EngineArgs(model=base_dir, **engine_kwargs()).create_engine_config()
+    return ModelRunner(
+        dataclasses.replace(config, lora_config=LoRAConfig(max_loras=max_loras, max_lora_rank=16))
+    )
+
+
+def _adapter(runner: ModelRunner, path: str):
+    return read_adapter(path, runner.args.num_layers, projection_shapes(runner.args), 16)
+
+
+def test_logits_equal_peft_with_the_adapter_in_its_slot(adapters):
+    base_dir, base, made = adapters
+    runner = _runner(base_dir)
+    for slot, name in enumerate(sorted(made)):
+        runner.set_lora_slot(slot, _adapter(runner, made[name][0]))
+    rng = np.random.default_rng(0)
+    for n in (1, 9, 45):
+        ids = rng.integers(3, 500, size=n).tolist()
+        np.testing.assert_allclose(
+            prompt_logits(runner, ids), teacher_forced_logits(base, ids), atol=1e-4, rtol=0
+        )
+        for slot, name in enumerate(sorted(made)):
+            want = teacher_forced_logits(made[name][1], ids)
+            got = prompt_logits(runner, ids, lora_slot=slot)
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=f"{name}, {n} tokens")
+            assert np.abs(want - teacher_forced_logits(base, ids)).max() > 1e-2  # the adapter matters
+
+
+def test_a_batch_mixing_adapters_gives_each_row_what_it_gives_alone(adapters):
+    base_dir, _, made = adapters
+    runner = _runner(base_dir)
+    names = sorted(made)
+    for slot, name in enumerate(names):
+        runner.set_lora_slot(slot, _adapter(runner, made[name][0]))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 500, size=n).tolist() for n in (5, 12, 3, 9)]
+    slots = [0, -1, 2, 1]  # three adapters and the base model
+    seqs, first = [], 1
+    for i, (ids, slot) in enumerate(zip(prompts, slots)):
+        pages = tuple(range(first, first + -(-len(ids) // runner.page_size)))
+        first += len(pages)
+        seqs.append(ScheduledSeq(f"r{i}", tuple(ids), 0, pages, GREEDY, lora_slot=slot))
+    inputs = batch_lib.prepare(
+        SchedulerOutput(tuple(seqs)), 64, 4, runner.page_size, runner.pages_per_seq, runner.pad_slot,
+        runner.attention_backend, None, True,
+    )  # fmt: skip
+    from reference_checks import _forward
+
+    mixed = np.asarray(_forward(runner.graphdef, runner.state, runner.kv_pool, jax.device_put(inputs)))
+    for row, (ids, slot) in enumerate(zip(prompts, slots)):
+        alone = prompt_logits(runner, ids, lora_slot=slot)[-1]
+        np.testing.assert_allclose(mixed[row], alone, atol=1e-5, rtol=0, err_msg=f"row {row}")
+
+
+def test_slots_are_rewritten_without_compiling(adapters):
+    base_dir, base, made = adapters
+    runner = _runner(base_dir, max_loras=2)
+    attn, mlp = _adapter(runner, made["attn"][0]), _adapter(runner, made["mlp"][0])
+    runner.set_lora_slot(0, attn)
+    ids = list(range(10, 40))
+    prompt_logits(runner, ids, lora_slot=0)
+    with compilations() as compiles:
+        runner.set_lora_slot(0, mlp)  # evicted: the slot now holds another adapter
+        runner.set_lora_slot(1, attn)  # and it comes back in another slot
+        got_mlp, got_attn = prompt_logits(runner, ids, 0), prompt_logits(runner, ids, 1)
+        runner.set_lora_slot(1, None)  # emptied: the base model
+        got_base = prompt_logits(runner, ids, 1)
+    assert compiles == []
+    np.testing.assert_allclose(got_mlp, teacher_forced_logits(made["mlp"][1], ids), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got_attn, teacher_forced_logits(made["attn"][1], ids), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got_base, teacher_forced_logits(base, ids), atol=1e-4, rtol=0)
+
+
+def test_adapters_that_cannot_be_served_are_refused_in_one_line(adapters, tmp_path):
+    import json
+
+    base_dir, _, made = adapters
+    runner = _runner(base_dir)
+    shapes = projection_shapes(runner.args)
+    with pytest.raises(ValueError, match="rank 16 is greater than max_lora_rank 8"):
+        read_adapter(made["all"][0], runner.args.num_layers, shapes, 8)
+    with pytest.raises(ValueError, match="not a PEFT LoRA adapter"):
+        read_adapter(str(tmp_path), runner.args.num_layers, shapes, 16)
+    bias = tmp_path / "bias"
+    bias.mkdir()
+    src = made["attn"][0]
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        (bias / f).write_bytes(open(f"{src}/{f}", "rb").read())
+    cfg = json.loads((bias / "adapter_config.json").read_text())
+    cfg["bias"] = "lora_only"
+    (bias / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="biases") as err:
+        read_adapter(str(bias), runner.args.num_layers, shapes, 16)
+    assert "\n" not in str(err.value)
