@@ -20,6 +20,7 @@ from jaxserve.config import (
     CacheConfig,
     CompilationConfig,
     EngineConfig,
+    LoRAConfig,
     ParallelConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
@@ -354,17 +355,19 @@ class EngineArgs:
     limit_mm_per_prompt: dict = arg(G.MM, help="Most multimodal items per prompt.", tier="C", factory=dict)
     mm_processor_kwargs: dict | None = arg(G.MM, None, "Multimodal processor settings.", tier="C")
     disable_mm_preprocessor_cache: bool = arg(G.MM, False, "Multimodal preprocessor cache.", tier="C")
-    # ---- LoRAConfig: the sizes below are used only with --enable-lora, which is refused, so any
-    # value is honoured.
-    enable_lora: bool = arg(G.LORA, False, "Serve LoRA adapters.", tier="B")
-    enable_lora_bias: bool = arg(G.LORA, False, "LoRA adapters with biases.", tier="B", supported=ANY)
-    max_loras: int = arg(G.LORA, 1, "LoRA adapters in one batch.", tier="B", supported=ANY)
-    max_lora_rank: int = arg(G.LORA, 16, "Largest LoRA rank.", tier="B", supported=ANY)
+    # ---- LoRAConfig
+    enable_lora: bool = arg(
+        G.LORA, False, "Serve LoRA adapters (PEFT directories; Llama-style dense models)."
+    )
+    enable_lora_bias: bool = arg(G.LORA, False, "LoRA adapters with biases.", tier="B")
+    max_loras: int = arg(G.LORA, 1, "LoRA adapters one batch may mix (the device's adapter slots).")
+    max_lora_rank: int = arg(G.LORA, 16, "Largest LoRA rank (every slot holds this rank).")
+    # LoRA weights are applied in float32 whatever is asked.
     lora_dtype: str = arg(
         G.LORA, "auto", "LoRA weight dtype.", tier="B", supported=ANY, choices=("auto", "float16", "bfloat16")
     )
     max_cpu_loras: int | None = arg(
-        G.LORA, None, "LoRA adapters kept in host memory.", tier="B", supported=ANY
+        G.LORA, None, "LoRA adapters kept read in host memory (default: max_loras)."
     )
     fully_sharded_loras: bool = arg(G.LORA, False, "Shard LoRA weights fully.", tier="B", supported=ANY)
     lora_extra_vocab_size: int = arg(
@@ -615,4 +618,16 @@ class EngineArgs:
                 attention_backend=backend,
             ),
             structured_outputs_config=self._structured_outputs_config(),
+            lora_config=self._lora_config(),
         )
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(
+                f"max_loras must be >= 1 and max_lora_rank in [1, 512], got {self.max_loras} and {self.max_lora_rank}."
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)

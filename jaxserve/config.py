@@ -113,6 +113,7 @@ class ParallelConfig:
 class LoRAConfig:
     max_loras: int = 1  # adapters one step may mix: the device's LoRA slots
     max_lora_rank: int = 16  # slots hold adapters of up to this rank
+    max_cpu_loras: int | None = None  # adapters kept read in host memory (None: max_loras)
 
 
 @dataclass(frozen=True)

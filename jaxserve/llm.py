@@ -13,6 +13,7 @@ from jaxserve import beam_search as beam
 from jaxserve.args import EngineArgs
 from jaxserve.engine.input_processor import PromptType
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -45,7 +46,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """lora_request: the adapter every prompt is served with, or one per prompt (None: the
+        base model); needs enable_lora."""
         if isinstance(prompts, (str, Mapping)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -64,12 +68,17 @@ class LLM:
             )
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"Got {len(priority)} priorities for {len(prompts)} prompts.")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"Got {len(loras)} lora_requests for {len(prompts)} prompts.")
         engine = self.llm_engine
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
                 rid = engine.new_request_id()
-                engine.add_request(rid, prompt, params, priority=priority[i] if priority else 0)
+                engine.add_request(
+                    rid, prompt, params, priority=priority[i] if priority else 0, lora_request=loras[i]
+                )
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)

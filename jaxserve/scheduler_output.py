@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -114,6 +114,8 @@ class ScheduledSeq(NamedTuple):
 @dataclass(frozen=True)
 class SchedulerOutput:
     seqs: tuple[ScheduledSeq, ...]  # rows with new tokens, in the order the runner lays them out
+    # (slot, LoRARequest): adapters to write into their device slots before this step runs
+    lora_loads: tuple[tuple[int, Any], ...] = ()
 
     @functools.cached_property
     def num_tokens(self) -> int:

@@ -146,11 +146,11 @@ FLAGS = [
     ("--override-neuron-config", "C", None, '{"cores": 2}', {"cores": 2}),
     ("--device", "C", "auto", "cpu", "cpu"),
     # ---- LoRAConfig
-    ("--enable-lora", "B", False, True, True),
-    ("--max-loras", "B", 1, "4", 4),
-    ("--max-lora-rank", "B", 16, "64", 64),
+    ("--enable-lora", "A", False, True, True),
+    ("--max-loras", "A", 1, "4", 4),
+    ("--max-lora-rank", "A", 16, "64", 64),
     ("--lora-dtype", "B", "auto", "bfloat16", "bfloat16"),
-    ("--max-cpu-loras", "B", None, "8", 8),
+    ("--max-cpu-loras", "A", None, "8", 8),
     ("--fully-sharded-loras", "B", False, True, True),
     ("--enable-lora-bias", "B", False, True, True),
     ("--lora-extra-vocab-size", "B", 256, "512", 512),
@@ -209,13 +209,10 @@ ACCEPTED_B = {
     "--long-prefill-token-threshold",  # the scheduler uses it
     "--disable-cascade-attn",  # there is no cascade attention to disable
     "--swap-space",  # only swap preemption, refused, would use it
-    # LoRA sizes: only --enable-lora, refused, would use them.
-    "--max-loras",
-    "--max-lora-rank",
+    # LoRA: weights applied in float32 whatever the dtype; the slots follow their projection's
+    # sharding; no extra vocabulary and no long-context scaling is read from an adapter.
     "--lora-dtype",
-    "--max-cpu-loras",
     "--fully-sharded-loras",
-    "--enable-lora-bias",
     "--lora-extra-vocab-size",
     "--long-lora-scaling-factors",
 }

@@ -167,8 +167,16 @@ class BlockManager:
 
     # ---- prefix cache lookup -------------------------------------------------------------
 
-    def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
-        """The pages of the longest cached prefix of full pages, and the tokens they hold.
+    def root(self, lora_int_id: int) -> BlockHash:
+        """The parent hash of a LoRA request's first page: pages computed with one adapter are
+        never found by a request with another (or none), whose chains start elsewhere."""
+        return self._hash_fn(None, (-lora_int_id,))
+
+    def get_computed_blocks(
+        self, token_ids: Sequence[int], root: BlockHash | None = None
+    ) -> tuple[list[int], int]:
+        """The pages of the longest cached prefix of full pages, and the tokens they hold
+        (`root`: the chain's start, see root()).
 
         Stops one token short of the whole sequence: the last token must be fed to the
         model so that there are logits to sample the next token from.
@@ -177,7 +185,9 @@ class BlockManager:
             return [], 0
         bs = self.block_size
         blocks: list[int] = []
-        for page_hash, key in pages(token_ids, bs, stop=(len(token_ids) - 1) // bs, hash_fn=self._hash_fn):
+        for page_hash, key in pages(
+            token_ids, bs, stop=(len(token_ids) - 1) // bs, parent=root, hash_fn=self._hash_fn
+        ):
             block = self._cached.get(page_hash)
             if block is None or self._block_key[block] != key:
                 break
@@ -229,7 +239,9 @@ class BlockManager:
             if self._cached.get(block_hash) == block:
                 del self._cached[block_hash]
 
-    def cache_full_blocks(self, req_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+    def cache_full_blocks(
+        self, req_id: str, token_ids: Sequence[int], num_tokens: int, root: BlockHash | None = None
+    ) -> None:
         """Register the request's pages that are full once num_tokens tokens are written.
 
         Called when their KV is (being) written; calling it again is cheap and idempotent.
@@ -239,7 +251,7 @@ class BlockManager:
         table = self._tables[req_id]
         hashes = self._req_hashes[req_id]
         start, stop = len(hashes), min(num_tokens // self.block_size, len(table))
-        last = hashes[-1] if hashes else None
+        last = hashes[-1] if hashes else root
         for i, (page_hash, key) in enumerate(
             pages(token_ids, self.block_size, start, stop, last, self._hash_fn), start
         ):

@@ -39,6 +39,8 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.stats import IterationStats, SchedulerStats
 from jaxserve.loader.generation_config import read_generation_config, sampling_defaults
 from jaxserve.loader.tokenizer import load_tokenizer
+from jaxserve.lora.adapter import AdapterCache
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.runner import kv_scales
 from jaxserve.sampling_params import SamplingParams
@@ -82,7 +84,18 @@ class LLMEngine:
                     "Measuring KV-cache scales at start-up needs the tokenizer (drop --skip-tokenizer-init)."
                 )
             self.runner.calibrate_kv_scales(self.tokenizer.encode(kv_scales.CALIBRATION_TEXT))
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.runner.num_blocks)
+        lora = config.lora_config
+        self.scheduler = Scheduler(
+            config.scheduler_config,
+            config.cache_config,
+            self.runner.num_blocks,
+            lora.max_loras if lora else 0,
+        )
+        self.adapters = None  # LoRA adapters read from disk, by lora_int_id (lora/adapter.py)
+        if lora is not None:
+            self.adapters = AdapterCache(
+                lora.max_cpu_loras or lora.max_loras, self.runner.args, lora.max_lora_rank
+            )
         mc = config.model_config
         self.generation_config = read_generation_config(mc.model, mc.generation_config)
         self.sampling_defaults = sampling_defaults(self.generation_config, mc.override_generation_config)
@@ -126,9 +139,10 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
-        self.enqueue(self.make_request(request_id, prompt, params, priority, arrival_time))
+        self.enqueue(self.make_request(request_id, prompt, params, priority, arrival_time, lora_request))
 
     def make_request(
         self,
@@ -137,12 +151,22 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ParentRequest:
         """Check and tokenize a request and build its child sequences; ValueError on bad
         input. Touches no queue, so a server may call it off the engine's thread."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        return self.input_processor.process(request_id, prompt, params, priority, arrival_time)
+        if lora_request is not None:
+            if self.adapters is None:
+                raise ValueError(
+                    f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is not enabled (--enable-lora)."
+                )
+            self.adapters.get(lora_request)  # read now: a bad adapter fails the request, never a step
+        parent = self.input_processor.process(request_id, prompt, params, priority, arrival_time)
+        for child in parent.children:
+            child.lora_request = lora_request
+        return parent
 
     def enqueue(self, parent: ParentRequest) -> None:
         """Hand a request built by make_request to the scheduler."""
@@ -221,6 +245,8 @@ class LLMEngine:
         if sched.is_empty:
             return None
         try:
+            for slot, lora_request in sched.lora_loads:  # adapters new to their slots
+                self.runner.set_lora_slot(slot, self.adapters.get(lora_request))
             handle = self.runner.dispatch(
                 sched, bitmask_filler(self.grammars, sched, self.scheduler.requests)
             )

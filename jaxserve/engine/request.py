@@ -90,6 +90,8 @@ class Request:
         self.shares_prompt_with: Request | None = None  # the first sample of the same prompt (n > 1)
         self.output_logprobs: list[TopLogprobs] = []  # one ranked row per output token
         self.prompt_logprobs: list[TopLogprobs] = []  # row k: the logprob of prompt token k + 1
+        self.lora_request = None  # a lora.request.LoRARequest: served with that adapter
+        self.lora_slot = -1  # its device slot while the request runs
 
     @property
     def num_output_tokens(self) -> int:

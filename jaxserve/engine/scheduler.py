@@ -28,6 +28,7 @@ from collections.abc import Iterable
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.block_manager import BlockManager, PrefixCacheStats
+from jaxserve.engine.lora_slots import LoRASlots
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.scheduler_output import (
     PLACEHOLDER_TOKEN,
@@ -41,7 +42,13 @@ from jaxserve.scheduler_output import (
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        num_lora_slots: int = 0,
+    ) -> None:
         if scheduler_config.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {scheduler_config.policy!r}.")
         if scheduler_config.preemption_mode != "recompute":
@@ -69,6 +76,7 @@ class Scheduler:
         # Device slots for per-request logit processing (penalties, bias): one per running
         # request at most, so max_num_seqs of them never run out.
         self._free_slots = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
+        self.lora_slots = LoRASlots(num_lora_slots) if num_lora_slots else None
 
     # ---- queues --------------------------------------------------------------------------
 
@@ -177,14 +185,22 @@ class Scheduler:
                 continue
             first_time = req.status == RequestStatus.WAITING
             token_ids = req.all_token_ids
+            root = self._cache_root(req)
             if req.wants_prompt_logprobs:  # every prompt token must run to give its logprobs
                 computed_blocks, num_cached = [], 0
             else:
-                computed_blocks, num_cached = self.block_manager.get_computed_blocks(token_ids)
+                computed_blocks, num_cached = self.block_manager.get_computed_blocks(token_ids, root)
             n = self._chunk_size(req, num_cached, budget)
             if not self.config.enable_chunked_prefill and num_cached + n < req.num_tokens:
                 break  # the whole prompt must fit; keep strict order rather than skip it
+            if req.lora_request is not None:
+                req.lora_slot = self.lora_slots.acquire(req.lora_request)
+                if req.lora_slot is None:  # every slot is pinned by other adapters: it waits
+                    req.lora_slot = -1
+                    w += 1
+                    continue
             if not self.block_manager.allocate(req.request_id, num_cached + n, computed_blocks):
+                self._free_slot(req)
                 break
             self.waiting.pop(w)
             req.status = RequestStatus.RUNNING
@@ -206,7 +222,8 @@ class Scheduler:
                     self._commit(req, num_new[req.request_id], row, last_rows, sampled)
                     for row, req in enumerate(scheduled)
                 ]
-            )
+            ),
+            lora_loads=self.lora_slots.take_loads() if self.lora_slots is not None else (),
         )
         if scheduled:
             self._unreported[id(sched)] = (sched, tuple(sampled))
@@ -296,7 +313,7 @@ class Scheduler:
         bm = self.block_manager
         hashable = min(end, known)
         if bm.enable_prefix_caching and hashable // bm.block_size > bm.num_hashed_pages(req.request_id):
-            bm.cache_full_blocks(req.request_id, req.all_token_ids, hashable)
+            bm.cache_full_blocks(req.request_id, req.all_token_ids, hashable, self._cache_root(req))
         req.num_computed_tokens = end
         slot_init = None
         if req.logits_spec is not None and req.slot < 0:
@@ -323,9 +340,19 @@ class Scheduler:
             slot_init,
             targets,
             feed_from_row,
+            req.lora_slot,
         )
 
+    def _cache_root(self, req: Request):
+        """Where the request's chain of page hashes starts: its adapter's root, or None."""
+        lora = req.lora_request
+        return None if lora is None else self.block_manager.root(lora.lora_int_id)
+
     def _free_slot(self, req: Request) -> None:
+        """Give back the request's device slots: its logit-processing slot and its LoRA pin."""
+        if req.lora_slot >= 0:
+            self.lora_slots.release(req.lora_slot)
+            req.lora_slot = -1
         if req.slot >= 0:
             self._free_slots.append(req.slot)
             req.slot = -1

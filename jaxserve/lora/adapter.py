@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,32 @@ class LoRAAdapter:
     rank: int
     # projection -> (A [num_layers, in, rank] float32, B [num_layers, rank, out] float32, scaled)
     weights: dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+class AdapterCache:
+    """Adapters read from disk, by lora_int_id, the `capacity` (--max-cpu-loras) most recently
+    used kept in host memory; one read again after its eviction gives the same weights."""
+
+    def __init__(self, capacity: int, args, max_rank: int) -> None:
+        self.capacity, self.args, self.max_rank = capacity, args, max_rank
+        self._adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
+
+    def get(self, lora_request) -> LoRAAdapter:
+        """The request's adapter; ValueError (one line) if it cannot be served."""
+        key = lora_request.lora_int_id
+        adapter = self._adapters.get(key)
+        if adapter is not None and adapter.path != lora_request.lora_path:
+            raise ValueError(
+                f"lora_int_id {key} already names the adapter at {adapter.path}, not {lora_request.lora_path}."
+            )
+        if adapter is None:
+            shapes = projection_shapes(self.args)
+            adapter = read_adapter(lora_request.lora_path, self.args.num_layers, shapes, self.max_rank)
+            self._adapters[key] = adapter
+            while len(self._adapters) > self.capacity:
+                self._adapters.popitem(last=False)
+        self._adapters.move_to_end(key)
+        return adapter
 
 
 def projection_shapes(args) -> dict[str, tuple[int, int]]:

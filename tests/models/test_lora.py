@@ -149,3 +149,58 @@ def test_adapters_that_cannot_be_served_are_refused_in_one_line(adapters, tmp_pa
     with pytest.raises(ValueError, match="biases") as err:
         read_adapter(str(bias), runner.args.num_layers, shapes, 16)
     assert "\n" not in str(err.value)
+
+
+def test_offline_generation_serves_each_prompt_with_its_adapter(adapters):
+    """Three adapters and the base model in one generate call, with two slots: the third adapter
+    waits for a slot to free; every greedy token is peft's with the prompt's adapter; the prefix
+    cache reuses pages within one adapter and never across adapters."""
+    from reference_checks import check_greedy
+
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.lora.request import LoRARequest
+
+    base_dir, base, made = adapters
+    llm = LLM(base_dir, enable_lora=True, max_loras=2, max_lora_rank=16, **engine_kwargs())
+    names = sorted(made)
+    requests = {name: LoRARequest(name, i + 1, made[name][0]) for i, name in enumerate(names)}
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(3, 500, size=30).tolist()  # the same prompt for all: pages must not mix
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    loras = [requests[n] for n in names] + [None, requests[names[0]]]
+    outs = llm.generate(
+        [{"prompt_token_ids": prompt}] * len(loras), params, use_tqdm=False, lora_request=loras
+    )
+    models = [made[n][1] for n in names] + [base, made[names[0]][1]]
+    for out, model in zip(outs, models):
+        compared, total = check_greedy(model, prompt, out.outputs[0].token_ids)
+        assert total == 12 and compared >= 10
+    assert len({tuple(o.outputs[0].token_ids) for o in outs[:4]}) == 4  # each adapter its own text
+    # the same prompt again with the first adapter finds its pages; with another adapter it does not
+    again = llm.generate(
+        [{"prompt_token_ids": prompt}] * 2,
+        params,
+        use_tqdm=False,
+        lora_request=[requests[names[0]], requests[names[1]]],
+    )
+    assert again[0].num_cached_tokens > 0 and again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert again[1].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+def test_bad_lora_requests_are_refused_without_harm(adapters, tmp_path):
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.lora.request import LoRARequest
+
+    base_dir, _, made = adapters
+    params = SamplingParams(max_tokens=2)
+    plain = LLM(base_dir, **engine_kwargs())
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        plain.generate([[5, 6]], params, use_tqdm=False, lora_request=LoRARequest("a", 1, made["attn"][0]))
+    llm = LLM(base_dir, enable_lora=True, max_lora_rank=8, **engine_kwargs())
+    with pytest.raises(ValueError, match="greater than max_lora_rank 8"):
+        llm.generate([[5, 6]], params, use_tqdm=False, lora_request=LoRARequest("all", 1, made["all"][0]))
+    with pytest.raises(ValueError, match="not a PEFT LoRA adapter"):
+        llm.generate([[5, 6]], params, use_tqdm=False, lora_request=LoRARequest("none", 2, str(tmp_path)))
+    with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
+        LoRARequest("zero", 0, made["attn"][0])
+    assert llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0].token_ids  # the engine goes on
