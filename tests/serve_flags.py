@@ -44,7 +44,7 @@ FLAGS = [
     ("--enable-auto-tool-choice", "A", False, True, True),
     ("--tool-call-parser", "A", None, "hermes", "hermes"),
     ("--tool-parser-plugin", "A", "", "plugin.py", "plugin.py"),
-    ("--lora-modules", "B", None, ["a=/adapters/a"], ["a=/adapters/a"]),
+    ("--lora-modules", "A", None, ["a=/adapters/a"], ["a=/adapters/a"]),
     ("--prompt-adapters", "C", None, ["p=/adapters/p"], ["p=/adapters/p"]),
     # ---- ModelConfig (model: jaxserve's default model stands in for vLLM's facebook/opt-125m)
     ("--model", "A", None, "org/model", "org/model"),
@@ -219,6 +219,7 @@ ACCEPTED_B = {
 
 # Tier-A rows whose value needs files or devices to start: checked by dedicated tests.
 NEEDS_SETUP = {
+    "--lora-modules",  # adapter directories, and --enable-lora
     "--quantization-param-path",  # a file
     "--enable-auto-tool-choice",  # needs --tool-call-parser
     "--tool-parser-plugin",  # a file

@@ -212,3 +212,20 @@ def run_on_fake_devices(script: str, *args: str, devices: int = 8, timeout: floa
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def make_lora_adapter(base, path, rank: int, alpha: float, targets, seed: int, rslora: bool = False):
+    """Save a random PEFT LoRA adapter of the torch model `base` (random A and B, not peft's
+    no-op start) at `path`; return the peft model with it."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=list(targets), init_lora_weights=False
+    )
+    model = get_peft_model(copy.deepcopy(base), config).eval()
+    model.save_pretrained(path)
+    return model

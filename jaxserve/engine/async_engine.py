@@ -185,6 +185,13 @@ class AsyncLLMEngine:
         """ValueError for ids outside the vocabulary (before a tokenizer is asked to decode them)."""
         self.engine.check_prompt_token_ids(token_ids)
 
+    def check_lora(self, lora_request) -> None:
+        """Read a LoRA adapter as a request naming it would (ValueError, one line, if it cannot
+        be served; LookupError if LoRA is not enabled)."""
+        if self.engine.adapters is None:
+            raise LookupError("LoRA is not enabled on this server (--enable-lora).")
+        self.engine.adapters.get(lora_request)
+
     def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """Compile a request's grammar (cached for when the request is made); ValueError naming
         what is wrong with it. Blocking: a server calls it off its event loop."""
@@ -202,14 +209,19 @@ class AsyncLLMEngine:
     # ---- requests ------------------------------------------------------------------------
 
     def make_request(
-        self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        lora_request=None,
     ) -> ParentRequest:
         """Check and build a request without queueing it; ValueError on bad input."""
         if self.dead_error is not None:
             raise EngineRequestError(f"The engine is not running: {self.dead_error}")
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        return self.engine.make_request(request_id, prompt, params, priority)
+        return self.engine.make_request(request_id, prompt, params, priority, lora_request=lora_request)
 
     async def stream(self, parent: ParentRequest) -> AsyncIterator[RequestOutput]:
         """Queue a request from make_request and yield its (cumulative) outputs until it

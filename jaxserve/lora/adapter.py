@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -41,9 +42,14 @@ class AdapterCache:
     def __init__(self, capacity: int, args, max_rank: int) -> None:
         self.capacity, self.args, self.max_rank = capacity, args, max_rank
         self._adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self._lock = threading.Lock()  # the server's threads check adapters while the engine loads them
 
     def get(self, lora_request) -> LoRAAdapter:
         """The request's adapter; ValueError (one line) if it cannot be served."""
+        with self._lock:
+            return self._get(lora_request)
+
+    def _get(self, lora_request) -> LoRAAdapter:
         key = lora_request.lora_int_id
         adapter = self._adapters.get(key)
         if adapter is not None and adapter.path != lora_request.lora_path:

@@ -9,14 +9,13 @@ and rewriting slots (an adapter evicted and written back elsewhere) compiles not
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import jax
 import numpy as np
 import pytest
 from reference_checks import GREEDY, compilations, prompt_logits, teacher_forced_logits
-from tiny_models import engine_kwargs, make_llama_checkpoint
+from tiny_models import engine_kwargs, make_llama_checkpoint, make_lora_adapter
 
 from jaxserve.args import EngineArgs
 from jaxserve.config import LoRAConfig
@@ -36,21 +35,12 @@ ADAPTERS = {
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
     """The base checkpoint, and per adapter (its directory, the peft model with it)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-
     base_dir = tmp_path_factory.mktemp("lora-base")
     base = make_llama_checkpoint(base_dir, "gqa")
     made = {}
     for i, (name, (rank, alpha, rslora, targets)) in enumerate(sorted(ADAPTERS.items())):
-        torch.manual_seed(100 + i)
-        config = LoraConfig(
-            r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets, init_lora_weights=False
-        )
-        model = get_peft_model(copy.deepcopy(base), config).eval()
         path = tmp_path_factory.mktemp(f"lora-{name}")
-        model.save_pretrained(path)
-        made[name] = (str(path), model)
+        made[name] = (str(path), make_lora_adapter(base, path, rank, alpha, targets, 100 + i, rslora))
     return str(base_dir), base, made
 
 

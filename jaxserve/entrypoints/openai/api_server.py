@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import logging.config
+import os
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -32,6 +33,7 @@ from jaxserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    bad_request,
     error_body,
     now,
     validation_message,
@@ -41,6 +43,7 @@ from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxserve.entrypoints.openai.serving_engine import ModelNotFound
 from jaxserve.entrypoints.openai.tls import ssl_context, ssl_refresher
+from jaxserve.lora.modules import LoRAModules, parse_lora_modules
 from jaxserve.metrics import EngineMetrics, StatsLogger
 
 logger = logging.getLogger("jaxserve.entrypoints.openai.api_server")
@@ -185,8 +188,13 @@ class _Routes:
         self.engine = engine
         self.args = args
         self.metrics = metrics
-        self.completion = OpenAIServingCompletion(engine, args)
-        self.chat = OpenAIServingChat(engine, args)
+        self.loras = LoRAModules()
+        for name, path, base in parse_lora_modules(args.lora_modules):
+            if engine.config.lora_config is None:
+                raise ValueError("--lora-modules needs --enable-lora.")
+            engine.check_lora(self.loras.add(name, path, base))  # a bad adapter stops the start
+        self.completion = OpenAIServingCompletion(engine, args, self.loras)
+        self.chat = OpenAIServingChat(engine, args, self.loras)
 
     def add_to(self, router: web.UrlDispatcher, prefix: str = "") -> None:
         r = router
@@ -201,6 +209,9 @@ class _Routes:
         r.add_post(prefix + "/detokenize", self.detokenize)
         if self.args.enable_server_load_tracking:
             r.add_get(prefix + "/load", self.load)
+        if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"):
+            r.add_post(prefix + "/v1/load_lora_adapter", self.load_lora_adapter)
+            r.add_post(prefix + "/v1/unload_lora_adapter", self.unload_lora_adapter)
         if not self.args.disable_fastapi_docs:
             r.add_get(prefix + "/openapi.json", self.openapi)
 
@@ -232,7 +243,47 @@ class _Routes:
             }
             for name in mc.served_model_name
         ]
+        data += [
+            {
+                "id": lora.lora_name,
+                "object": "model",
+                "created": now(),
+                "owned_by": "jaxserve",
+                "root": lora.lora_path,
+                "parent": lora.base_model_name or mc.served_model_name[0],
+                "max_model_len": mc.max_model_len,
+            }
+            for lora in self.loras.all()
+        ]
         return web.json_response({"object": "list", "data": data})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's run-time adapter loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING): the adapter is read
+        and checked before its name is served; requests naming it then get it."""
+        data = await read_json_object(request)
+        name, path = data.get("lora_name"), data.get("lora_path")
+        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+            raise bad_request("Both 'lora_name' and 'lora_path' must be provided.")
+        if name in self.completion.served_model_names:
+            raise bad_request(f"The lora adapter '{name}' has already been loaded.")
+        lora = self.loras.add(name, path)
+        try:
+            await asyncio.to_thread(self.engine.check_lora, lora)
+        except (ValueError, LookupError) as e:
+            self.loras.remove(name)
+            raise bad_request(str(e)) from None
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        data = await read_json_object(request)
+        name = data.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise bad_request("'lora_name' must be provided.")
+        try:
+            self.loras.remove(name)
+        except KeyError:
+            return error_response(f"The lora adapter '{name}' cannot be found.", 404)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.completion.create(await _parse(request, CompletionRequest), request)

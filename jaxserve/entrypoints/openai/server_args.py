@@ -83,7 +83,12 @@ class ServerArgs:
     )
     api_server_count: int = arg(_F, 1, "HTTP server processes.", tier="B")
     headless: bool = arg(_F, False, "Run the engine without an HTTP server.", tier="B")
-    lora_modules: list[str] | None = arg(_F, None, "LoRA adapters to serve (name=path).", tier="B")
+    lora_modules: list[str] | None = arg(
+        _F,
+        None,
+        'LoRA adapters to serve, each name=path or JSON {"name", "path", "base_model_name"} (needs --enable-lora).',
+        nargs="+",
+    )
     enable_auto_tool_choice: bool = arg(
         _F, False, 'Let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser.'
     )

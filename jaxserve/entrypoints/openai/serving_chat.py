@@ -26,8 +26,8 @@ from jaxserve.reasoning import get_reasoning_parser
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine, args):
-        super().__init__(engine, args)
+    def __init__(self, engine, args, loras=None):
+        super().__init__(engine, args, loras)
         name = engine.config.structured_outputs_config.reasoning_parser
         self.reasoning_parser = get_reasoning_parser(name)(self.tokenizer) if name else None
         self.auto_tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
@@ -69,7 +69,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = self.request_id(raw, body, "chatcmpl")
         self.log_request(request_id, prompt, params)
         beams = [body.to_beam_search_params(params.max_tokens, constraint)]
-        outputs = self.generate_all(request_id, [prompt], [params], body.priority, beams)
+        outputs = self.generate_all(request_id, [prompt], [params], body.priority, beams, model)
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": model}
         role = self.role(body)
         echo = self._echo_text(body, role)

@@ -48,7 +48,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = self.request_id(raw, body, "cmpl")
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             self.log_request(request_id if len(prompts) == 1 else f"{request_id}-{i}", p, sp)
-        outputs = self.generate_all(request_id, prompts, params, body.priority, beams)
+        outputs = self.generate_all(request_id, prompts, params, body.priority, beams, model)
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": model}
         if body.stream:
             return await sse_response(raw, self._chunks(body, head, prompts, outputs))

@@ -31,6 +31,7 @@ from jaxserve.entrypoints.openai.protocol import (
 )
 from jaxserve.entrypoints.openai.server_args import ServerArgs
 from jaxserve.entrypoints.openai.stream_merge import merge_streams
+from jaxserve.lora.modules import LoRAModules
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -44,13 +45,14 @@ class ModelNotFound(LookupError):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, args: ServerArgs):
+    def __init__(self, engine: AsyncLLMEngine, args: ServerArgs, loras: LoRAModules | None = None):
         self.engine = engine
         self.args = args
         self.tokenizer = engine.tokenizer
         self.model_config = engine.config.model_config
         self.max_model_len = self.model_config.max_model_len
         self.served_model_names = list(self.model_config.served_model_name)
+        self.loras = loras if loras is not None else LoRAModules()  # adapters served by name
         self.sampling_defaults = dict(engine.sampling_defaults)
         self.chat_template = server_chat_template(args.chat_template, self.tokenizer)
         self.logprob_formatter = LogprobFormatter(self.tokenizer)
@@ -58,7 +60,8 @@ class OpenAIServing:
     # ---- checks --------------------------------------------------------------------------
 
     def model_name(self, requested: str | None) -> str:
-        if requested is None or requested in self.served_model_names:
+        """The model a request names: a served name of the base model or a LoRA adapter's."""
+        if requested is None or requested in self.served_model_names or self.loras.get(requested):
             return requested or self.served_model_names[0]
         raise ModelNotFound(f"The model `{requested}` does not exist.")
 
@@ -141,6 +144,7 @@ class OpenAIServing:
         params: list[SamplingParams],
         priority: int,
         beams: list[BeamSearchParams | None] | None = None,
+        model: str | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of several prompts as they come, tagged with the prompt's index.
 
@@ -148,7 +152,10 @@ class OpenAIServing:
         prompt never leaves the first one running. Leaving early aborts them all. With
         `beams` (use_beam_search), each prompt's beam search yields one final output.
         """
+        lora = self.loras.get(model)  # a LoRA adapter's name selects it
         if beams is not None and beams[0] is not None:
+            if lora is not None:
+                raise ValueError("Beam search with a LoRA adapter is not supported yet.")
             searches = [self.engine.start_beam_search(p, b) for p, b in zip(prompts, beams, strict=True)]
             return merge_streams(
                 [
@@ -158,7 +165,7 @@ class OpenAIServing:
             )
         parents = [
             self.engine.make_request(
-                p, sp, request_id if len(prompts) == 1 else f"{request_id}-{i}", priority
+                p, sp, request_id if len(prompts) == 1 else f"{request_id}-{i}", priority, lora
             )
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
         ]
