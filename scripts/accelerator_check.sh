@@ -6,7 +6,8 @@
 #   3. runs the attention microbenchmark (kernel and reference) on Llama-3-8B heads;
 #   4. runs the offline throughput benchmark on a Llama-3-8B-shaped model with random weights
 #      (--load-format dummy) in bfloat16, with the kernel and with the reference, then with the
-#      kernel and int8 / fp8 weights (weight-only, --quantization).
+#      kernel and int8 / fp8 weights (weight-only, --quantization), and int8 / fp8 KV pages
+#      (--kv-cache-dtype).
 # Results (JSON and logs) go to $OUT if set (the device tool's folder), else benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,5 +44,12 @@ for quantization in int8 fp8; do
     --skip-tokenizer-init --no-hf-baseline --attention-backend pallas --max-model-len 2048 \
     --num-prompts 64 --input-len 512 --output-len 128 --quantization $quantization \
     --output-json "$RESULTS/throughput_llama3-8b-shape_pallas_${quantization}_$KIND.json" || status=1
+done
+# And with quantized KV pages (twice bfloat16's tokens in the same memory).
+for kv in int8 fp8; do
+  python3 benchmarks/throughput.py --model configs/llama3-8b-shape --load-format dummy --dtype bfloat16 \
+    --skip-tokenizer-init --no-hf-baseline --attention-backend pallas --max-model-len 2048 \
+    --num-prompts 64 --input-len 512 --output-len 128 --kv-cache-dtype $kv \
+    --output-json "$RESULTS/throughput_llama3-8b-shape_pallas_kv-${kv}_$KIND.json" || status=1
 done
 exit $status

@@ -79,11 +79,9 @@ class LLMEngine:
                 self.runner = build_runner(config, devices)
                 self.tokenizer = pending.result()
         if runner is None and kv_scales.measured_at_startup(config.cache_config):
-            if self.tokenizer is None:
-                raise ValueError(
-                    "Measuring KV-cache scales at start-up needs the tokenizer (drop --skip-tokenizer-init)."
-                )
-            self.runner.calibrate_kv_scales(self.tokenizer.encode(kv_scales.CALIBRATION_TEXT))
+            self.runner.calibrate_kv_scales(
+                kv_scales.calibration_ids(self.tokenizer, self.runner.args.vocab_size)
+            )
         lora = config.lora_config
         self.scheduler = Scheduler(
             config.scheduler_config,

@@ -58,6 +58,14 @@ watch the fishing boats come home.
 """
 
 
+def calibration_ids(tokenizer, vocab_size: int) -> list[int]:
+    """The calibration text's token ids; without a tokenizer (--skip-tokenizer-init), 512 ids
+    drawn with a fixed seed: a poorer sample of real activations, but the same on every start."""
+    if tokenizer is not None:
+        return tokenizer.encode(CALIBRATION_TEXT)
+    return np.random.default_rng(0).integers(0, vocab_size, 512).tolist()
+
+
 def measured_at_startup(cache_config) -> bool:
     """Whether the scales are measured at start-up: asked for, or int8 pages given no file."""
     if cache_config.cache_dtype == "auto" or cache_config.quantization_param_path:

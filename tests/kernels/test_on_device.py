@@ -55,3 +55,18 @@ def test_kernel_matches_the_reference_on_the_device(batch, dtype, heads, options
     # bfloat16 (8 bits of mantissa), so a few units in the last place of values of order 1.
     atol = 2e-5 if dtype == "float32" else 2e-2
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=atol, rtol=0)
+
+
+@pytest.mark.skipif(PLATFORM == "cpu", reason="needs a TPU or GPU")
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("pages", ["int8", "float8_e4m3fn"])
+def test_kernel_reads_quantized_pages_as_the_reference_does(batch, pages):
+    """bfloat16 queries over int8 / fp8 pages with their scales (--kv-cache-dtype), pages of 32
+    tokens (a TPU packs 32 rows of a 1-byte dtype in a sublane tile)."""
+    kernel = _kernel(resolve_attention_backend("pallas", PLATFORM))
+    case = _case(np.random.default_rng(1), BATCHES[batch], 32, 8, 128, 32, jnp.bfloat16)
+    case = case.quantized(pages, 0.03, 0.05)
+    scale = 128**-0.5
+    got = jax.jit(lambda *a: kernel(*a, sm_scale=scale, **case.scales))(*case.args)
+    want = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=scale, **case.scales))(*case.args)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=0)

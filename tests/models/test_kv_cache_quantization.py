@@ -159,3 +159,12 @@ def test_int8_pages_double_the_logged_token_capacity_of_bfloat16(llama, caplog):
         assert runner.kv_pool.dtype.itemsize == (2 if kv_dtype == "auto" else 1)
     # 64 KiB of pages of 8 tokens: one page is held back as padding in both.
     assert capacity["int8"] + 8 == 2 * (capacity["auto"] + 8)
+
+
+def test_without_a_tokenizer_the_scales_are_measured_over_fixed_token_ids(llama):
+    path, model = llama
+    llm = LLM(path, kv_cache_dtype="int8", skip_tokenizer_init=True, **engine_kwargs())
+    ids = kv_scales.calibration_ids(None, 512)
+    assert ids == kv_scales.calibration_ids(None, 512)  # the same on every start
+    want = kv_amax(model, ids[: llm.llm_engine.config.scheduler_config.max_model_len]) * 1.25 / 127
+    np.testing.assert_allclose(llm.llm_engine.runner.kv_scales, want, rtol=1e-4)
