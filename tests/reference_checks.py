@@ -12,7 +12,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxserve.runner import batch as batch_lib
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.scheduler_output import SamplingRow, ScheduledSeq, SchedulerOutput
 
@@ -66,17 +65,7 @@ def prompt_logits(runner: ModelRunner, token_ids: list[int], lora_slot: int = -1
     pages = tuple(range(1, 1 + -(-n // runner.page_size)))
     seq = ScheduledSeq("r", tuple(token_ids), 0, pages, GREEDY, lora_slot=lora_slot)
     sched = SchedulerOutput((seq,))
-    inputs = batch_lib.prepare(
-        sched,
-        padded,
-        1,
-        runner.page_size,
-        runner.pages_per_seq,
-        runner.pad_slot,
-        runner.attention_backend,
-        runner.kv_scales,
-        bool(runner._lora_keys),
-    )
+    inputs = runner._prepare(sched, (padded, 1))
     indices = np.zeros(padded, np.int32)
     indices[:n] = np.arange(n)
     inputs = dataclasses.replace(inputs, logits_indices=indices)

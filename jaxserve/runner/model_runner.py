@@ -223,10 +223,13 @@ class ModelRunner:
             self.kv_pool = allocating.result()
 
     def _dummy_inputs(self, num_tokens: int, num_seqs: int) -> batch_lib.BatchInputs:
+        return self._prepare(SchedulerOutput(seqs=()), (num_tokens, num_seqs))
+
+    def _prepare(self, sched: SchedulerOutput, bucket: tuple[int, int]) -> batch_lib.BatchInputs:
+        """The step's host arrays in this runner's layout (pages, KV scales, LoRA slots)."""
         return batch_lib.prepare(
-            SchedulerOutput(seqs=()),
-            num_tokens,
-            num_seqs,
+            sched,
+            *bucket,
             self.page_size,
             self.pages_per_seq,
             self.pad_slot,
@@ -489,16 +492,7 @@ class ModelRunner:
                 fill_bitmask = None
         if self.channel is not None:
             self.channel.publish("dispatch", sched, None, bitmask)
-        inputs = batch_lib.prepare(
-            sched,
-            *bucket,
-            self.page_size,
-            self.pages_per_seq,
-            self.pad_slot,
-            self.attention_backend,
-            self.kv_scales,
-            bool(self._lora_keys),
-        )
+        inputs = self._prepare(sched, bucket)
         for s in sched.seqs:
             if s.slot_init is not None:
                 self._fill_slot(s.slot_init)

@@ -20,7 +20,6 @@ from tiny_models import engine_kwargs, make_llama_checkpoint, make_lora_adapter
 from jaxserve.args import EngineArgs
 from jaxserve.config import LoRAConfig
 from jaxserve.lora.adapter import projection_shapes, read_adapter
-from jaxserve.runner import batch as batch_lib
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.scheduler_output import ScheduledSeq, SchedulerOutput
 
@@ -87,10 +86,7 @@ def test_a_batch_mixing_adapters_gives_each_row_what_it_gives_alone(adapters):
         pages = tuple(range(first, first + -(-len(ids) // runner.page_size)))
         first += len(pages)
         seqs.append(ScheduledSeq(f"r{i}", tuple(ids), 0, pages, GREEDY, lora_slot=slot))
-    inputs = batch_lib.prepare(
-        SchedulerOutput(tuple(seqs)), 64, 4, runner.page_size, runner.pages_per_seq, runner.pad_slot,
-        runner.attention_backend, None, True,
-    )  # fmt: skip
+    inputs = runner._prepare(SchedulerOutput(tuple(seqs)), (64, 4))
     from reference_checks import _forward
 
     mixed = np.asarray(_forward(runner.graphdef, runner.state, runner.kv_pool, jax.device_put(inputs)))
