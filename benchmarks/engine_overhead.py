@@ -94,6 +94,8 @@ def measure(
         num_gpu_blocks_override=batch * ((input_len + output_len) // 16 + 2) + 1,
         use_tqdm_on_load=False,
         enforce_eager=eager,
+        # compiled in this process only: a measurement neither reads nor fills the start-up cache
+        compilation_config={"cache_dir": ""},
     )
     engine = llm.llm_engine
     vocab = int(engine.config.model_config.get("vocab_size"))
