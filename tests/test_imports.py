@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("jaxserve.args", "jaxserve.model_resolution", "jaxserve.flags"),
     ("jaxserve.engine", "jaxserve.structured_output"),
     ("jaxserve.runner", "jaxserve.distributed"),
-    ("jaxserve.loader",),
+    ("jaxserve.loader", "jaxserve.lora"),  # LoRA adapters are read like checkpoints
     ("jaxserve.models",),
     ("jaxserve.layers", "jaxserve.sharding"),
     ("pallas_kernels",),
