@@ -21,10 +21,13 @@ per layer for each, per-tensor), in int8 or fp8; attention folds the scales back
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 # amax over the largest representable value, per format: where the calibration text's largest
 # |k| or |v| lands. fp8's precision is relative, so headroom against larger values in real
@@ -56,6 +59,27 @@ The old lighthouse stood at the end of the harbour wall, its lamp long since rep
 automatic beacon, and on calm evenings the keeper's grandchildren still climbed the stairs to
 watch the fishing boats come home.
 """
+
+
+def initial_scales(config, num_layers: int, dtype_name: str, platform: str) -> np.ndarray:
+    """[num_layers, 2] scales of a pool of `dtype_name` pages before any are measured: the
+    file's, an fp8 checkpoint's own (unless --calculate-kv-scales measures them instead), else 1.0."""
+    cc, mc = config.cache_config, config.model_config
+    fp8 = dtype_name.startswith("float8")
+    if fp8 and platform == "cpu":
+        logger.warning(  # measured in benchmarks/quantization.py
+            "fp8 KV pages are written through a copy of the whole pool on the CPU (XLA:CPU has no "
+            "fp8 scatter): every step is many times slower; --kv-cache-dtype int8 is the CPU's choice."
+        )
+    if cc.quantization_param_path:
+        return read_scales_file(cc.quantization_param_path, num_layers, dtype_name, mc.get("model_type"))
+    if fp8 and mc.checkpoint_quantization and not cc.calculate_kv_scales:
+        from jaxserve.loader.prequantized import checkpoint_kv_scales
+
+        found = checkpoint_kv_scales(mc.model, num_layers)
+        if found is not None:
+            return found
+    return np.ones((num_layers, 2), np.float32)
 
 
 def calibration_ids(tokenizer, vocab_size: int) -> list[int]:

@@ -139,26 +139,11 @@ class ModelRunner:
         )
         # A quantized pool's per-layer key and value scales (runner/kv_scales.py), sent with each step.
         self.kv_scales = None
-        if self.kv_spec.dtype.name.startswith("float8") and self.mesh.devices.flat[0].platform == "cpu":
-            logger.warning(  # measured in benchmarks/quantization.py
-                "fp8 KV pages are written through a copy of the whole pool on the CPU (XLA:CPU has no "
-                "fp8 scatter): every step is many times slower; --kv-cache-dtype int8 is the CPU's choice."
-            )
         if is_quantized(self.kv_spec.dtype):
-            self.kv_scales = np.ones((self.args.num_layers, 2), np.float32)
-            if cc.quantization_param_path:
-                self.kv_scales = kv_scales.read_scales_file(
-                    cc.quantization_param_path,
-                    self.args.num_layers,
-                    self.kv_spec.dtype.name,
-                    mc.get("model_type"),
-                )
-            elif mc.checkpoint_quantization and self.kv_spec.dtype.name.startswith("float8"):
-                from jaxserve.loader.prequantized import checkpoint_kv_scales
-
-                found = checkpoint_kv_scales(mc.model, self.args.num_layers)  # an fp8 checkpoint's own
-                if found is not None and not cc.calculate_kv_scales:
-                    self.kv_scales = found
+            platform = self.mesh.devices.flat[0].platform
+            self.kv_scales = kv_scales.initial_scales(
+                config, self.args.num_layers, self.kv_spec.dtype.name, platform
+            )
         max_useful = sc.max_num_seqs * self.pages_per_seq + 1
         self.num_blocks = num_blocks_for(self.kv_spec, cc, max_useful, self.mesh)
         kv_tokens = (self.num_blocks - 1) * self.page_size  # block 0 is never handed out
