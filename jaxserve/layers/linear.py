@@ -40,8 +40,10 @@ SCALE_SUFFIX = "_scale"
 MIN_SUFFIX = "_min"
 GROUP = 32  # inputs per group of a GGUF format
 GROUPED_FORMATS = ("q8", "q4")
-# The projections a LoRA adapter may adapt, as PEFT (and the Llama-style layers) name them
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The dense projections of the Llama-style layers, as they (and Hugging Face, and PEFT) name them:
+# what a quantized checkpoint's own values are served in, and what a LoRA adapter may adapt
+LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = LLAMA_PROJECTIONS
 LORA_SUFFIXES = ("_lora_a", "_lora_b")
 
 

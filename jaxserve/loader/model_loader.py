@@ -19,7 +19,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import LoRAConfig, ModelConfig, ParallelConfig
-from jaxserve.layers.linear import MIN_SUFFIX, SCALE_SUFFIX, group_rows, pack_q4, quantize_kernel
+from jaxserve.layers.linear import (
+    LLAMA_PROJECTIONS,
+    MIN_SUFFIX,
+    SCALE_SUFFIX,
+    group_rows,
+    pack_q4,
+    quantize_kernel,
+)
 from jaxserve.loader import file_cache
 from jaxserve.models.registry import resolve_architecture
 from jaxserve.sharding import named_sharding, state_shardings
@@ -101,13 +108,11 @@ def checkpoint_kernel_formats(model_config: ModelConfig, args) -> dict[str, str]
 
         scheme = checkpoint_scheme(model_config.get("quantization_config"))
         return {
-            k: f for k, f in kernel_formats(model_config.model, scheme).items() if k.split(".")[-1] in SERVED
+            k: f
+            for k, f in kernel_formats(model_config.model, scheme).items()
+            if k.split(".")[-1] in LLAMA_PROJECTIONS
         }
     return {}
-
-
-# The projections a quantized checkpoint's values are served in, as the Llama-style layers name them
-SERVED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def repeat_kv_heads(tensor, axis: int, copies: int, head_dim: int):
