@@ -357,9 +357,9 @@ class EngineArgs:
     disable_mm_preprocessor_cache: bool = arg(G.MM, False, "Multimodal preprocessor cache.", tier="C")
     # ---- LoRAConfig
     enable_lora: bool = arg(
-        G.LORA, False, "Serve LoRA adapters (PEFT directories; Llama-style dense models)."
+        G.LORA, False, "Serve LoRA adapters (PEFT directories) on the decoder layers' projections."
     )
-    enable_lora_bias: bool = arg(G.LORA, False, "LoRA adapters with biases.", tier="B")
+    enable_lora_bias: bool = arg(G.LORA, False, "Serve LoRA adapters with biases (PEFT's lora_bias).")
     max_loras: int = arg(G.LORA, 1, "LoRA adapters one batch may mix (the device's adapter slots).")
     max_lora_rank: int = arg(G.LORA, 16, "Largest LoRA rank (every slot holds this rank).")
     # LoRA weights are applied in float32 whatever is asked.
@@ -369,12 +369,14 @@ class EngineArgs:
     max_cpu_loras: int | None = arg(
         G.LORA, None, "LoRA adapters kept read in host memory (default: max_loras)."
     )
-    fully_sharded_loras: bool = arg(G.LORA, False, "Shard LoRA weights fully.", tier="B", supported=ANY)
+    fully_sharded_loras: bool = arg(
+        G.LORA, False, "Under tensor parallelism, split both LoRA factors (their rank too) over the devices."
+    )
     lora_extra_vocab_size: int = arg(
         G.LORA, 256, "Extra vocabulary of LoRA adapters.", tier="B", supported=ANY
     )
     long_lora_scaling_factors: list[float] | None = arg(
-        G.LORA, None, "Scaling factors of long-context LoRA.", tier="B", supported=ANY
+        G.LORA, None, "Scaling factors of long-context LoRA (not served).", tier="B"
     )
     # ---- PromptAdapterConfig
     enable_prompt_adapter: bool = arg(G.PA, False, "Prompt adapters.", tier="C")
@@ -630,4 +632,10 @@ class EngineArgs:
             )
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
-        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        return LoRAConfig(
+            self.max_loras,
+            self.max_lora_rank,
+            self.max_cpu_loras,
+            self.enable_lora_bias,
+            self.fully_sharded_loras,
+        )

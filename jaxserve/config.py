@@ -114,6 +114,8 @@ class LoRAConfig:
     max_loras: int = 1  # adapters one step may mix: the device's LoRA slots
     max_lora_rank: int = 16  # slots hold adapters of up to this rank
     max_cpu_loras: int | None = None  # adapters kept read in host memory (None: max_loras)
+    bias: bool = False  # adapters may carry biases (PEFT's lora_bias: lora_B.bias)
+    fully_sharded: bool = False  # tensor parallel: split the rank axis of both factors
 
 
 @dataclass(frozen=True)

@@ -90,9 +90,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         params: beam.BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[beam.BeamSearchOutput]:
-        """Beam search over each prompt (see jaxserve/beam_search.py); all prompts' beams
-        run together, one token per engine round."""
+        """Beam search over each prompt (see jaxserve/beam_search.py), with the LoRA adapter if
+        given; all prompts' beams run together, one token per engine round."""
         if isinstance(prompts, (str, Mapping)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -103,7 +104,7 @@ class LLM:
         bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
         while live := [s for s in searches if not s.done]:
             beams = [beam.step_prompt(s, b) for s in live for b in s.running]
-            outs = iter(self.generate(beams, step, use_tqdm=False))
+            outs = iter(self.generate(beams, step, use_tqdm=False, lora_request=lora_request))
             for s in live:
                 s.advance([next(outs).outputs[0].logprobs[0] for _ in s.running])
             bar.update(1)

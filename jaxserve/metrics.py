@@ -43,7 +43,9 @@ def _token_buckets(max_value: int) -> list[int]:
 class EngineMetrics:
     """vLLM's engine metrics; one instance per server, each in its own registry."""
 
-    def __init__(self, model_name: str, max_model_len: int, max_num_batched_tokens: int):
+    def __init__(
+        self, model_name: str, max_model_len: int, max_num_batched_tokens: int, max_loras: int | None = None
+    ):
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -94,6 +96,18 @@ class EngineMetrics:
             "Generated tokens per finished request.",
             _token_buckets(max_model_len),
         )
+        # With LoRA: vLLM's info gauge, its labels the adapters of the running and the waiting
+        # requests, its value when they were last seen. Only the current label set is kept (a
+        # gauge per combination ever seen would grow with every mix of adapters).
+        self._lora_info = None
+        self._max_loras = str(max_loras)
+        if max_loras is not None:
+            self._lora_info = Gauge(
+                PREFIX + "lora_requests_info",
+                "Running stats on LoRA requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=r,
+            )
         self._last = _ZERO
 
     def record(self, sched: SchedulerStats, it: IterationStats) -> None:
@@ -105,6 +119,11 @@ class EngineMetrics:
         self.prefix_cache_hits.inc(max(sched.prefix_cache_hits - self._last.prefix_cache_hits, 0))
         self.num_preemptions.inc(max(sched.num_preemptions - self._last.num_preemptions, 0))
         self._last = sched
+        if self._lora_info is not None:
+            self._lora_info.clear()
+            self._lora_info.labels(
+                self._max_loras, ",".join(sched.waiting_lora_adapters), ",".join(sched.running_lora_adapters)
+            ).set_to_current_time()
         self.prompt_tokens.inc(it.num_prompt_tokens)
         self.generation_tokens.inc(it.num_generation_tokens)
         if it.num_scheduled_tokens:

@@ -34,6 +34,7 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "kv_page_slots": None,
     "kv_combined_heads": "model",  # the interleaved (k, v) head axis of the KV pool
     "head_dim": None,
+    "lora_rank": "model",  # a LoRA factor's rank, split only with --fully-sharded-loras
 }
 
 # --enable-expert-parallel: whole experts per device instead of a slice of every expert.

@@ -151,8 +151,8 @@ FLAGS = [
     ("--max-lora-rank", "A", 16, "64", 64),
     ("--lora-dtype", "B", "auto", "bfloat16", "bfloat16"),
     ("--max-cpu-loras", "A", None, "8", 8),
-    ("--fully-sharded-loras", "B", False, True, True),
-    ("--enable-lora-bias", "B", False, True, True),
+    ("--fully-sharded-loras", "A", False, True, True),
+    ("--enable-lora-bias", "A", False, True, True),
     ("--lora-extra-vocab-size", "B", 256, "512", 512),
     ("--long-lora-scaling-factors", "B", None, ["4.0", "8.0"], [4.0, 8.0]),
     # ---- SpeculativeConfig, DecodingConfig, ObservabilityConfig
@@ -209,12 +209,10 @@ ACCEPTED_B = {
     "--long-prefill-token-threshold",  # the scheduler uses it
     "--disable-cascade-attn",  # there is no cascade attention to disable
     "--swap-space",  # only swap preemption, refused, would use it
-    # LoRA: weights applied in float32 whatever the dtype; the slots follow their projection's
-    # sharding; no extra vocabulary and no long-context scaling is read from an adapter.
+    # LoRA: weights applied in float32 whatever the dtype; an adapter with extra vocabulary is
+    # refused when it is read, so any budget for it is honoured.
     "--lora-dtype",
-    "--fully-sharded-loras",
     "--lora-extra-vocab-size",
-    "--long-lora-scaling-factors",
 }
 
 # Tier-A rows whose value needs files or devices to start: checked by dedicated tests.

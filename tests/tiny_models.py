@@ -214,9 +214,12 @@ def run_on_fake_devices(script: str, *args: str, devices: int = 8, timeout: floa
     return done.stdout
 
 
-def make_lora_adapter(base, path, rank: int, alpha: float, targets, seed: int, rslora: bool = False):
+def make_lora_adapter(
+    base, path, rank: int, alpha: float, targets, seed: int, rslora: bool = False, **config
+):
     """Save a random PEFT LoRA adapter of the torch model `base` (random A and B, not peft's
-    no-op start) at `path`; return the peft model with it."""
+    no-op start; `config`: more LoraConfig fields, e.g. lora_bias) at `path`; return the peft
+    model with it."""
     import copy
 
     import torch
@@ -224,8 +227,17 @@ def make_lora_adapter(base, path, rank: int, alpha: float, targets, seed: int, r
 
     torch.manual_seed(seed)
     config = LoraConfig(
-        r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=list(targets), init_lora_weights=False
+        r=rank,
+        lora_alpha=alpha,
+        use_rslora=rslora,
+        target_modules=list(targets),
+        init_lora_weights=False,
+        **config,
     )
     model = get_peft_model(copy.deepcopy(base), config).eval()
+    with torch.no_grad():  # LoRA biases start at zero even so: random ones, so they count
+        for name, p in model.named_parameters():
+            if "lora_B" in name and name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
     model.save_pretrained(path)
     return model

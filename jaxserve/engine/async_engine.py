@@ -250,10 +250,15 @@ class AsyncLLMEngine:
                 self._post(replica, ("abort", request_id))
 
     def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        lora_request=None,
     ) -> AsyncIterator[RequestOutput]:
         """make_request + stream: bad input raises here, before anything is queued."""
-        return self.stream(self.make_request(prompt, params, request_id, priority))
+        return self.stream(self.make_request(prompt, params, request_id, priority, lora_request))
 
     def start_beam_search(self, prompt: PromptType, params: BeamSearchParams) -> BeamSearch:
         """Check and tokenize a beam search without running it; ValueError on bad input."""
@@ -261,9 +266,10 @@ class AsyncLLMEngine:
             raise EngineRequestError(f"The engine is not running: {self.dead_error}")
         return start_search(self.engine, self.engine.tokenize_prompt(prompt)[1], params)
 
-    async def beam_search(self, search: BeamSearch, request_id: str) -> BeamSearchOutput:
-        """Run a search from start_beam_search: each round, one one-token request per live
-        beam (ids `{request_id}-{round}-{beam}`); cancelling aborts the round in flight."""
+    async def beam_search(self, search: BeamSearch, request_id: str, lora_request=None) -> BeamSearchOutput:
+        """Run a search from start_beam_search (with the LoRA adapter, if any): each round, one
+        one-token request per live beam (ids `{request_id}-{round}-{beam}`); cancelling aborts
+        the round in flight."""
 
         async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
             outputs = [output async for output in stream]
@@ -274,7 +280,11 @@ class AsyncLLMEngine:
             if search.done:
                 break
             rounds = [
-                last(self.generate(step_prompt(search, beam), step, f"{request_id}-{round_}-{i}"))
+                last(
+                    self.generate(
+                        step_prompt(search, beam), step, f"{request_id}-{round_}-{i}", 0, lora_request
+                    )
+                )
                 for i, beam in enumerate(search.running)
             ]
             outputs = await asyncio.gather(*rounds)
@@ -372,4 +382,6 @@ def _sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
         prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
         prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
         num_preemptions=sum(s.num_preemptions for s in stats),
+        running_lora_adapters=tuple(dict.fromkeys(n for s in stats for n in s.running_lora_adapters)),
+        waiting_lora_adapters=tuple(dict.fromkeys(n for s in stats for n in s.waiting_lora_adapters)),
     )

@@ -91,9 +91,7 @@ class LLMEngine:
         )
         self.adapters = None  # LoRA adapters read from disk, by lora_int_id (lora/adapter.py)
         if lora is not None:
-            self.adapters = AdapterCache(
-                lora.max_cpu_loras or lora.max_loras, self.runner.args, lora.max_lora_rank
-            )
+            self.adapters = AdapterCache(lora.max_cpu_loras or lora.max_loras, self.runner.adapter_spec)
         mc = config.model_config
         self.generation_config = read_generation_config(mc.model, mc.generation_config)
         self.sampling_defaults = sampling_defaults(self.generation_config, mc.override_generation_config)
@@ -309,6 +307,7 @@ class LLMEngine:
     def scheduler_stats(self) -> SchedulerStats:
         s = self.scheduler
         prefix = s.prefix_cache_stats
+        running_loras, waiting_loras = s.lora_adapters()
         return SchedulerStats(
             num_running=s.num_running,
             num_waiting=s.num_waiting,
@@ -316,4 +315,6 @@ class LLMEngine:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=s.num_preemptions,
+            running_lora_adapters=running_loras,
+            waiting_lora_adapters=waiting_loras,
         )

@@ -88,6 +88,15 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def lora_adapters(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The LoRA adapters' names (each once, in queue order) of the running and the waiting
+        requests."""
+
+        def names(queue: list[Request]) -> tuple[str, ...]:
+            return tuple(dict.fromkeys(r.lora_request.lora_name for r in queue if r.lora_request is not None))
+
+        return names(self.running), names(self.waiting)
+
     @property
     def kv_cache_usage(self) -> float:
         return self.block_manager.usage

@@ -18,6 +18,9 @@ class SchedulerStats:
     prefix_cache_queries: int  # cumulative prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # cumulative prompt tokens found there
     num_preemptions: int  # cumulative
+    # LoRA adapters (names, each once) of the running and the waiting requests
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

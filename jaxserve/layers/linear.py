@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.sharding import LOGICAL_AXIS_RULES
+
 # --quantization -> (stored dtype, largest magnitude it holds)
 WEIGHT_QUANTIZATIONS: dict[str, tuple[np.dtype, float]] = {
     "int8": (np.dtype(jnp.int8), 127.0),
@@ -44,7 +46,8 @@ GROUPED_FORMATS = ("q8", "q4")
 # what a quantized checkpoint's own values are served in, and what a LoRA adapter may adapt
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_TARGETS = LLAMA_PROJECTIONS
-LORA_SUFFIXES = ("_lora_a", "_lora_b")
+KV_PROJECTIONS = ("k_proj", "v_proj")  # whose outputs are KV heads (copied under wide tensor parallelism)
+LORA_SUFFIXES = ("_lora_a", "_lora_b", "_lora_bias")
 
 
 def group_rows(fmt: str | None) -> int:
@@ -109,22 +112,43 @@ def _groups(values: jax.Array, scale: jax.Array, mins: jax.Array | None) -> jax.
     return (w if mins is None else w + mins[:, None]).reshape(d_in, d_out)
 
 
-def lora_params(
-    shape: tuple[int, ...], axes: tuple[str | None, ...], slots: int, rank: int
-) -> dict[str, nnx.Param]:
-    """The LoRA slots of a stacked projection [layers, in, out] by name suffix: "_lora_a"
-    [layers, slots, in, rank] and "_lora_b" [layers, slots, rank, out] (the adapter's scaling in
-    B), zero until an adapter is written into a slot; sharded along the kernel's own in and out
-    axes, so each device computes its part of the update beside its part of the projection."""
+def lora_params(shape: tuple[int, ...], axes: tuple[str | None, ...], lora) -> dict[str, nnx.Param]:
+    """The LoRA slots (`lora`: a LoRAConfig) of a stacked projection [layers, in, out] by name
+    suffix: "_lora_a" [layers, slots, in, rank], "_lora_b" [layers, slots, rank, out] (the
+    adapter's scaling in B) and, with lora.bias, "_lora_bias" [layers, slots, out]; zero until an
+    adapter is written into a slot. Sharded along the kernel's own in and out axes, so each device
+    computes its part of the update beside its part of the projection; with lora.fully_sharded
+    the rank axis of the factor that would be replicated (A of a projection split by outputs, B
+    of one split by inputs) is split too."""
     layers, d_in, d_out = shape
-    return {
+    slots, rank = lora.max_loras, lora.max_lora_rank
+
+    def rank_axis(other: str | None) -> str | None:
+        return "lora_rank" if lora.fully_sharded and LOGICAL_AXIS_RULES.get(other) is None else None
+
+    params = {
         "_lora_a": nnx.Param(
-            jnp.zeros((layers, slots, d_in, rank), jnp.float32), logical_axes=(axes[0], None, axes[1], None)
+            jnp.zeros((layers, slots, d_in, rank), jnp.float32),
+            logical_axes=(axes[0], None, axes[1], rank_axis(axes[1])),
         ),
         "_lora_b": nnx.Param(
-            jnp.zeros((layers, slots, rank, d_out), jnp.float32), logical_axes=(axes[0], None, None, axes[2])
+            jnp.zeros((layers, slots, rank, d_out), jnp.float32),
+            logical_axes=(axes[0], None, rank_axis(axes[2]), axes[2]),
         ),
     }
+    if lora.bias:
+        params["_lora_bias"] = nnx.Param(
+            jnp.zeros((layers, slots, d_out), jnp.float32), logical_axes=(axes[0], None, axes[2])
+        )
+    return params
+
+
+def lora_mask(lora_slots: jax.Array | None, lora) -> jax.Array | None:
+    """Each token's LoRA slot ([tokens] int32, -1: the base model) -> [tokens, slots] one-hot
+    float32 (a row of zeros for the base model); None without LoRA."""
+    if lora_slots is None or lora is None:
+        return None
+    return (lora_slots[:, None] == jnp.arange(lora.max_loras, dtype=jnp.int32)).astype(jnp.float32)
 
 
 def linear(x: jax.Array, w: Mapping[str, jax.Array], name: str, lora: jax.Array | None = None) -> jax.Array:
@@ -152,7 +176,11 @@ def linear(x: jax.Array, w: Mapping[str, jax.Array], name: str, lora: jax.Array 
     lora_a = w.get(f"{name}_proj_lora_a")
     if lora_a is not None and lora is not None:
         xa = jnp.einsum("ti,sir->tsr", x.astype(jnp.float32), lora_a) * lora[:, :, None]
-        y = y + jnp.einsum("tsr,sro->to", xa, w[f"{name}_proj_lora_b"]).astype(y.dtype)
+        delta = jnp.einsum("tsr,sro->to", xa, w[f"{name}_proj_lora_b"])
+        lora_bias = w.get(f"{name}_proj_lora_bias")
+        if lora_bias is not None:
+            delta = delta + lora @ lora_bias
+        y = y + delta.astype(y.dtype)
     bias = w.get(f"{name}_bias")
     return y if bias is None else y + bias
 

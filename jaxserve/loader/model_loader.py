@@ -37,13 +37,14 @@ def build_model_args(
 ):
     _, entry = resolve_architecture(model_config.hf_config)
     args = entry.make_args(model_config.hf_config, model_config.max_model_len)
-    if lora is not None:
-        if not hasattr(args, "max_loras") or getattr(args, "moe", None) is not None:
-            raise ValueError(
-                f"LoRA adapters are served for the dense Llama-style families, not {model_config.architecture}."
-            )
-        args = dataclasses.replace(args, max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank)
     tp = parallel.tensor_parallel_size if parallel is not None else 1
+    if lora is not None:
+        if lora.fully_sharded and lora.max_lora_rank % tp:
+            raise ValueError(
+                f"--fully-sharded-loras splits the LoRA rank over the devices: max_lora_rank "
+                f"({lora.max_lora_rank}) must be a multiple of tensor_parallel_size ({tp})."
+            )
+        args = dataclasses.replace(args, lora=lora)
     formats = checkpoint_kernel_formats(model_config, args)
     if formats:  # projections served in the checkpoint's own quantized values
         formats = {hf.split(".")[-1]: fmt for hf, fmt in formats.items()}

@@ -26,9 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.config import LoRAConfig
 from jaxserve.layers.activation import ACTIVATIONS
 from jaxserve.layers.attention import AttentionMetadata, paged_attention
-from jaxserve.layers.linear import LORA_TARGETS, SCALE_SUFFIX, kernel_params, linear, lora_params
+from jaxserve.layers.linear import LORA_TARGETS, SCALE_SUFFIX, kernel_params, linear, lora_mask, lora_params
 from jaxserve.layers.moe import MoEArgs, moe_mlp
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import apply_rope, rope_attention_scaling, rope_inv_freq
@@ -71,9 +72,8 @@ class LlamaArgs:
     # a GGUF file's own formats per projection ("q_proj" -> "q8" or "q4") take precedence.
     quantization: str | None = None
     kernel_formats: tuple[tuple[str, str], ...] = ()
-    # LoRA: device slots for this many adapters of rank up to max_lora_rank (0: no LoRA)
-    max_loras: int = 0
-    max_lora_rank: int = 0
+    # LoRA: the adapters' device slots (their count, rank, biases, sharding); None: no LoRA
+    lora: LoRAConfig | None = None
 
     @classmethod
     def from_hf(cls, hf: Mapping, max_model_len: int) -> LlamaArgs:
@@ -138,8 +138,8 @@ class LlamaLayers(nnx.Module):
         def kernel(name: str, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> None:
             fmt = formats.get(name, a.quantization)
             params = kernel_params(rngs, shape, axes, dtype, fmt)
-            if a.max_loras and name in LORA_TARGETS:
-                params.update(lora_params(shape, axes, a.max_loras, a.max_lora_rank))
+            if a.lora and name in LORA_TARGETS:
+                params.update(lora_params(shape, axes, a.lora))
             for suffix, param in params.items():
                 setattr(self, name + suffix, param)
 
@@ -210,9 +210,7 @@ class LlamaForCausalLM(nnx.Module):
         a = self.args
         num_tokens = input_ids.shape[0]
         pages_per_layer = kv_pool.shape[0] // a.num_layers
-        lora = None
-        if lora_slots is not None and a.max_loras:
-            lora = (lora_slots[:, None] == jnp.arange(a.max_loras, dtype=jnp.int32)).astype(jnp.float32)
+        lora = lora_mask(lora_slots, a.lora)
         sm_scale = a.attn_scale or a.head_dim**-0.5
         act = ACTIVATIONS[a.hidden_act]
         x = self.embed_tokens.value[input_ids]  # [num_tokens, hidden]

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.config import LoRAConfig
 from jaxserve.layers.activation import ACTIVATIONS
 from jaxserve.layers.attention import AttentionMetadata, paged_attention
-from jaxserve.layers.linear import kernel_params, linear
+from jaxserve.layers.linear import kernel_params, linear, lora_mask, lora_params
 from jaxserve.models.llama import _param
 
 
@@ -48,6 +49,7 @@ class OPTArgs:
     activation: str
     tie_word_embeddings: bool
     quantization: str | None = None  # of the layers' projections (layers/linear.py)
+    lora: LoRAConfig | None = None  # LoRA adapters' device slots on every projection; None: no LoRA
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -127,9 +129,10 @@ class OPTLayers(nnx.Module):
             "fc2": ((m, e), ("mlp", "embed"), ("embed",)),
         }
         for name, (shape, axes, bias_axes) in shapes.items():
-            for suffix, param in kernel_params(
-                rngs, (n, *shape), ("layers", *axes), dtype, a.quantization
-            ).items():
+            params = kernel_params(rngs, (n, *shape), ("layers", *axes), dtype, a.quantization)
+            if a.lora:
+                params.update(lora_params((n, *shape), ("layers", *axes), a.lora))
+            for suffix, param in params.items():
                 setattr(self, f"{name}_proj{suffix}", param)
             if a.bias:
                 bias = _param(rngs, (n, shape[1]), ("layers", *bias_axes), dtype, "zeros")
@@ -163,10 +166,12 @@ class OPTForCausalLM(nnx.Module):
         kv_pool: jax.Array,  # [num_layers * pages_per_layer, 2 * num_kv_heads, page_size, head_dim]
         meta: AttentionMetadata,
         logits_indices: jax.Array,  # [num_logits] int32, rows of the batch to compute logits for
+        lora_slots: jax.Array | None = None,  # [num_tokens] int32, each token's LoRA slot (-1: none)
     ) -> tuple[jax.Array, jax.Array]:  # ([num_logits, vocab] float32, kv_pool)
         a = self.args
         num_tokens = input_ids.shape[0]
         pages_per_layer = kv_pool.shape[0] // a.num_layers
+        lora = lora_mask(lora_slots, a.lora)
         act = ACTIVATIONS[a.activation]
         x = self.embed_tokens.value[input_ids]
         if a.word_embed_proj_dim != a.hidden_size:
@@ -180,17 +185,17 @@ class OPTForCausalLM(nnx.Module):
             x, kv_pool = carry
             w, index = xs
             h = norm(x, w, "attn_norm") if a.pre_norm else x
-            q = linear(h, w, "q").reshape(num_tokens, a.num_heads, a.head_dim)
-            k = linear(h, w, "k").reshape(num_tokens, a.num_kv_heads, a.head_dim)
-            v = linear(h, w, "v").reshape(num_tokens, a.num_kv_heads, a.head_dim)
+            q = linear(h, w, "q", lora).reshape(num_tokens, a.num_heads, a.head_dim)
+            k = linear(h, w, "k", lora).reshape(num_tokens, a.num_kv_heads, a.head_dim)
+            v = linear(h, w, "v", lora).reshape(num_tokens, a.num_kv_heads, a.head_dim)
             attn, kv_pool = paged_attention(
                 q, k, v, kv_pool, index, pages_per_layer, meta, sm_scale=a.head_dim**-0.5
             )
-            x = x + linear(attn.reshape(num_tokens, -1), w, "o")
+            x = x + linear(attn.reshape(num_tokens, -1), w, "o", lora)
             if not a.pre_norm:
                 x = norm(x, w, "attn_norm")
             h = norm(x, w, "mlp_norm") if a.pre_norm else x
-            x = x + linear(act(linear(h, w, "fc1")), w, "fc2")
+            x = x + linear(act(linear(h, w, "fc1", lora)), w, "fc2", lora)
             if not a.pre_norm:
                 x = norm(x, w, "mlp_norm")
             return (x, kv_pool), None

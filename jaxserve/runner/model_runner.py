@@ -34,10 +34,10 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig, jaxserve_cache_dir
 from jaxserve.layers.attention import pool_head_dim
-from jaxserve.layers.linear import LORA_SUFFIXES
+from jaxserve.layers.linear import KV_PROJECTIONS, LORA_SUFFIXES
 from jaxserve.layers.sampler import ProcessorState
 from jaxserve.loader.model_loader import build_model_args, load_model, repeat_kv_heads
-from jaxserve.lora.adapter import LoRAAdapter
+from jaxserve.lora.adapter import AdapterSpec, LoRAAdapter
 from jaxserve.runner import batch as batch_lib
 from jaxserve.runner import kv_scales
 from jaxserve.runner.bucketing import Buckets
@@ -119,6 +119,8 @@ class ModelRunner:
         self.graphdef, self.state = load_model(mc, self.mesh, config.parallel_config, config.lora_config)
         self._lora_keys = sorted(k for k, _ in self.state.flat_state() if str(k[-1]).endswith(LORA_SUFFIXES))
         self._write_lora = None  # the program that writes an adapter into a slot (see set_lora_slot)
+        lora = config.lora_config
+        self.adapter_spec = None if lora is None else self._adapter_spec(entry, lora)
         logger.info(
             "Loaded weights in %.2f s: %.1f MiB in all, %.1f MiB on the fullest of %d devices",
             time.perf_counter() - start,
@@ -314,6 +316,8 @@ class ModelRunner:
         (bucketing.Buckets.startup_order); ready_buckets grows as they finish. Several processes
         must run the same programs step by step, so they compile everything first."""
         start = time.perf_counter()
+        if self._lora_keys:  # the program that writes adapters into slots (slot 0 is empty still)
+            self.set_lora_slot(0, None)
         first, rest = self.buckets.startup_order()
         if jax.process_count() > 1:
             first, rest = first + rest, []
@@ -419,6 +423,28 @@ class ModelRunner:
             self.kv_scales[:, 1].min(), self.kv_scales[:, 1].max(),
         )  # fmt: skip
 
+    def _adapter_spec(self, entry, lora) -> AdapterSpec:
+        """What adapters this model's LoRA slots take (lora/adapter.py): the projections with
+        slots and their (in, out) as the checkpoint has them."""
+        flat = dict(self.state.flat_state())
+        copies = getattr(self.args, "kv_head_copies", 1)
+        shapes = {}
+        for key in self._lora_keys:
+            proj, part = str(key[-1]).rsplit("_lora_", 1)
+            if part == "a":
+                d_in, d_out = flat[key].value.shape[2], flat[(*key[:-1], f"{proj}_lora_b")].value.shape[-1]
+                shapes[proj] = (d_in, d_out // copies if proj in KV_PROJECTIONS else d_out)
+        weight_map = entry.model_cls.hf_weight_map(self.args)
+        return AdapterSpec(
+            self.args.num_layers,
+            shapes,
+            weight_map,
+            entry.split_tensors,
+            self.args,
+            lora.max_lora_rank,
+            lora.bias,
+        )
+
     def set_lora_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """Write an adapter (None: zeros, the base model) into LoRA slot `slot` of every adapted
         projection: one compiled program for any slot and adapter (ranks are padded to the
@@ -432,11 +458,12 @@ class ModelRunner:
         for key, array in arrays.items():
             proj, part = str(key[-1]).rsplit("_lora_", 1)
             value = np.zeros((array.shape[0], *array.shape[2:]), np.float32)
-            if adapter is not None and proj in adapter.weights:
-                w = adapter.weights[proj][0 if part == "a" else 1]
-                if part == "b" and proj in ("k_proj", "v_proj") and copies > 1:  # as the kernels' heads
-                    w = repeat_kv_heads(w, 2, copies, self.args.head_dim)
-                value[:, : w.shape[1], : w.shape[2]] = w  # rank padded with zeros
+            weights = adapter.weights.get(proj) if adapter is not None else None
+            w = weights[("a", "b", "bias").index(part)] if weights is not None else None
+            if w is not None:
+                if part != "a" and proj in KV_PROJECTIONS and copies > 1:  # as the kernels' heads
+                    w = repeat_kv_heads(w, w.ndim - 1, copies, self.args.head_dim)
+                value[tuple(slice(0, n) for n in w.shape)] = w  # rank padded with zeros
             values[key] = value
         if self._write_lora is None:
             self._write_lora = jax.jit(

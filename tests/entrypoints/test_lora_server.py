@@ -137,3 +137,59 @@ async def test_adapters_load_and_unload_at_run_time(setup, monkeypatch):
             assert (await _tokens(http, url, "tiny")) == (200, want["None"])
     finally:
         await server.close()
+
+
+async def test_requests_survive_adapters_loaded_and_unloaded_under_load(setup, monkeypatch):
+    """Requests on the base model and two adapters run while a third is loaded, used and
+    unloaded (max_loras=2: adapters wait for slots and evict each other): every request gets
+    its own text; the metrics name the adapters."""
+    import asyncio
+
+    engine, paths, want = setup
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    server = await _serve(engine, lora_modules=[f"a={paths['a']}", f"b={paths['b']}"])
+    try:
+        async with ClientSession() as http:
+            url = str(server.make_url("/"))
+
+            async def churn():
+                got = []
+                for _ in range(2):
+                    async with http.post(
+                        url + "v1/load_lora_adapter", json={"lora_name": "c", "lora_path": paths["c"]}
+                    ) as r:
+                        assert r.status == 200, await r.text()
+                    got.append(await _tokens(http, url, "c"))
+                    async with http.post(url + "v1/unload_lora_adapter", json={"lora_name": "c"}) as r:
+                        assert r.status == 200, await r.text()
+                return got
+
+            models = ["tiny", "a", "b"] * 4
+            results = await asyncio.gather(
+                churn(), *(_tokens(http, url, m, stream=i % 2 == 1) for i, m in enumerate(models))
+            )
+            assert results[0] == [(200, want["c"])] * 2
+            for model, result in zip(models, results[1:]):
+                assert result == (200, want["None" if model == "tiny" else model]), model
+            async with http.get(url + "metrics") as r:
+                text = await r.text()
+            (line,) = [x for x in text.splitlines() if x.startswith("jaxserve:lora_requests_info{")]
+            assert 'max_lora="2"' in line and 'running_lora_adapters=""' in line  # all done by now
+    finally:
+        await server.close()
+
+
+def test_scheduler_stats_name_running_and_waiting_adapters(setup):
+    """max_loras=2: requests on three adapters, the third waits for a slot; the stats say so."""
+    engine, paths, _ = setup
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for i, name in enumerate(("a", "b", "c")):
+        lora = LoRARequest(name, 100 + i + 1, paths[name])
+        engine.add_request(f"stats-{name}", {"prompt_token_ids": PROMPT}, params, lora_request=lora)
+    engine.step()
+    stats = engine.scheduler_stats()
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == (("a", "b"), ("c",))
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.scheduler_stats()
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == ((), ())

@@ -19,7 +19,7 @@ from tiny_models import engine_kwargs, make_llama_checkpoint, make_lora_adapter
 
 from jaxserve.args import EngineArgs
 from jaxserve.config import LoRAConfig
-from jaxserve.lora.adapter import projection_shapes, read_adapter
+from jaxserve.lora.adapter import read_adapter
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.scheduler_output import ScheduledSeq, SchedulerOutput
 
@@ -51,7 +51,7 @@ def _runner(base_dir: str, max_loras: int = 4) -> ModelRunner:
 
 
 def _adapter(runner: ModelRunner, path: str):
-    return read_adapter(path, runner.args.num_layers, projection_shapes(runner.args), 16)
+    return read_adapter(path, runner.adapter_spec)
 
 
 def test_logits_equal_peft_with_the_adapter_in_its_slot(adapters):
@@ -119,11 +119,11 @@ def test_adapters_that_cannot_be_served_are_refused_in_one_line(adapters, tmp_pa
 
     base_dir, _, made = adapters
     runner = _runner(base_dir)
-    shapes = projection_shapes(runner.args)
+    spec = runner.adapter_spec
     with pytest.raises(ValueError, match="rank 16 is greater than max_lora_rank 8"):
-        read_adapter(made["all"][0], runner.args.num_layers, shapes, 8)
+        read_adapter(made["all"][0], dataclasses.replace(spec, max_rank=8))
     with pytest.raises(ValueError, match="not a PEFT LoRA adapter"):
-        read_adapter(str(tmp_path), runner.args.num_layers, shapes, 16)
+        read_adapter(str(tmp_path), spec)
     bias = tmp_path / "bias"
     bias.mkdir()
     src = made["attn"][0]
@@ -132,22 +132,29 @@ def test_adapters_that_cannot_be_served_are_refused_in_one_line(adapters, tmp_pa
     cfg = json.loads((bias / "adapter_config.json").read_text())
     cfg["bias"] = "lora_only"
     (bias / "adapter_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="biases") as err:
-        read_adapter(str(bias), runner.args.num_layers, shapes, 16)
+    with pytest.raises(ValueError, match="retrain the base model's biases") as err:
+        read_adapter(str(bias), spec)
     assert "\n" not in str(err.value)
 
 
-def test_offline_generation_serves_each_prompt_with_its_adapter(adapters):
+@pytest.fixture(scope="module")
+def lora_llm(adapters):
+    from jaxserve import LLM
+
+    return LLM(adapters[0], enable_lora=True, max_loras=2, max_lora_rank=16, **engine_kwargs())
+
+
+def test_offline_generation_serves_each_prompt_with_its_adapter(adapters, lora_llm):
     """Three adapters and the base model in one generate call, with two slots: the third adapter
     waits for a slot to free; every greedy token is peft's with the prompt's adapter; the prefix
     cache reuses pages within one adapter and never across adapters."""
     from reference_checks import check_greedy
 
-    from jaxserve import LLM, SamplingParams
+    from jaxserve import SamplingParams
     from jaxserve.lora.request import LoRARequest
 
-    base_dir, base, made = adapters
-    llm = LLM(base_dir, enable_lora=True, max_loras=2, max_lora_rank=16, **engine_kwargs())
+    _, base, made = adapters
+    llm = lora_llm
     names = sorted(made)
     requests = {name: LoRARequest(name, i + 1, made[name][0]) for i, name in enumerate(names)}
     rng = np.random.default_rng(2)
@@ -190,3 +197,42 @@ def test_bad_lora_requests_are_refused_without_harm(adapters, tmp_path):
     with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
         LoRARequest("zero", 0, made["attn"][0])
     assert llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0].token_ids  # the engine goes on
+
+
+def test_engine_compiles_nothing_after_startup_as_adapters_come_and_go(adapters):
+    """Two slots, three adapters and the base model, batches that load, evict and mix them:
+    after start-up's compiles, nothing compiles (the step programs and the slot writer)."""
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.lora.request import LoRARequest
+
+    base_dir, _, made = adapters
+    kwargs = engine_kwargs(enforce_eager=False, max_num_batched_tokens=32, max_num_seqs=4)
+    llm = LLM(base_dir, enable_lora=True, max_loras=2, max_lora_rank=16, **kwargs)
+    runner = llm.llm_engine.runner
+    compiled_at_start = runner.num_compiled
+    assert compiled_at_start == len(runner.buckets.all())
+    a, b, c = (LoRARequest(name, i + 1, made[name][0]) for i, name in enumerate(sorted(made)))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with compilations() as compiles:
+        for batch in ([a], [b, None, c], [c, a, b, None], [None], [b]):
+            prompts = [{"prompt_token_ids": [5 + i, 9, 33, 2 + i]} for i in range(len(batch))]
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=batch)
+            assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    assert compiles == []
+    assert runner.num_compiled == compiled_at_start
+
+
+def test_beam_search_with_an_adapter_matches_peft(adapters, lora_llm):
+    from reference_checks import hf_beams
+
+    from jaxserve import BeamSearchParams
+    from jaxserve.lora.request import LoRARequest
+
+    _, _, made = adapters
+    prompt = [7, 300, 41, 12, 99, 5]
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    lora = LoRARequest("mlp-beams", 50, made["mlp"][0])
+    (ours,) = lora_llm.beam_search({"prompt_token_ids": prompt}, params, lora_request=lora)
+    want_seqs, want_scores = hf_beams(made["mlp"][1], prompt, 3, 6, 1.0, eos=None)
+    assert [s.tokens[len(prompt) :] for s in ours.sequences] == want_seqs
+    np.testing.assert_allclose([s.score for s in ours.sequences], want_scores, atol=1e-4)

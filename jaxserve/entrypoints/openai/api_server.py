@@ -326,7 +326,10 @@ def build_app(
     middlewares.append(_errors)
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     mc, sc = engine.config.model_config, engine.config.scheduler_config
-    metrics = EngineMetrics(mc.served_model_name[0], mc.max_model_len, sc.max_num_batched_tokens)
+    lora = engine.config.lora_config
+    metrics = EngineMetrics(
+        mc.served_model_name[0], mc.max_model_len, sc.max_num_batched_tokens, lora.max_loras if lora else None
+    )
     engine.stats_callbacks.append(metrics.record)
     routes = _Routes(engine, args, metrics)
     routes.add_to(app.router)

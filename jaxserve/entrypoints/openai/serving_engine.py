@@ -154,12 +154,12 @@ class OpenAIServing:
         """
         lora = self.loras.get(model)  # a LoRA adapter's name selects it
         if beams is not None and beams[0] is not None:
-            if lora is not None:
-                raise ValueError("Beam search with a LoRA adapter is not supported yet.")
             searches = [self.engine.start_beam_search(p, b) for p, b in zip(prompts, beams, strict=True)]
             return merge_streams(
                 [
-                    self._beam_output(request_id if len(prompts) == 1 else f"{request_id}-{i}", p, s, sp)
+                    self._beam_output(
+                        request_id if len(prompts) == 1 else f"{request_id}-{i}", p, s, sp, lora
+                    )
                     for i, (p, s, sp) in enumerate(zip(prompts, searches, params, strict=True))
                 ]
             )
@@ -172,11 +172,11 @@ class OpenAIServing:
         return merge_streams([self.engine.stream(parent) for parent in parents])
 
     async def _beam_output(
-        self, request_id: str, prompt: Prompt, search: BeamSearch, params: SamplingParams
+        self, request_id: str, prompt: Prompt, search: BeamSearch, params: SamplingParams, lora=None
     ) -> AsyncIterator[RequestOutput]:
         """A beam search's result as one finished RequestOutput: the beams as completions,
         best first, with the logprobs the request asked for (the chosen token and its top k)."""
-        result = await self.engine.beam_search(search, request_id)
+        result = await self.engine.beam_search(search, request_id, lora)
         prompt_len = len(prompt["prompt_token_ids"])
         tokenizer = self.engine.tokenizer
         k = params.logprobs
