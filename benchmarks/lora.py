@@ -7,7 +7,9 @@ default model with numpy into a temporary directory. Three engines run the same 
 requests spread round-robin over N adapters, all in one batch). Each run: B requests of a
 P-token prompt generate T tokens (EOS ignored); throughput = B * T / wall time, prefill included.
 Every shape is compiled and every adapter written once before timing; the runs alternate
-within each round, the median round is reported with its ratio to `base` in the same round.
+within each round, the median round is reported with its ratio to `base` in the same round, and
+the share of requests whose greedy tokens differ from the base model's (0 for `lora-0`: the
+adapters are really applied, and only where asked).
 
     python benchmarks/lora.py [--adapters 1 4 8] [--requests 32] [--tokens 64] [--rounds 3]
         [--rank 16] [--model GGUF] [--output-json FILE]
@@ -51,14 +53,15 @@ def write_adapter(path: str, spec, rank: int, seed: int) -> None:
         json.dump(config, fh)
 
 
-def _throughput(llm, prompts, tokens: int, loras) -> float:
+def _run(llm, prompts, tokens: int, loras) -> tuple[float, list[list[int]]]:
+    """(tok/s, each request's tokens)."""
     from jaxserve import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     elapsed = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed, [o.outputs[0].token_ids for o in outs]
 
 
 def run(ns) -> dict:
@@ -68,7 +71,8 @@ def run(ns) -> dict:
     from jaxserve.lora.request import LoRARequest
 
     model = os.path.expanduser(ns.model)
-    common = {"max_model_len": ns.max_model_len, "max_num_seqs": ns.requests, "kv_cache_memory_bytes": "256M"}
+    common = {"max_model_len": ns.max_model_len, "max_num_seqs": ns.requests, "kv_cache_memory_bytes": "256M",
+              "enforce_eager": ns.enforce_eager}  # fmt: skip
     base = LLM(model, **common)
     lora = LLM(model, enable_lora=True, max_loras=max(ns.adapters), max_lora_rank=ns.rank, **common)
     directory = tempfile.mkdtemp(prefix="jaxserve-lora-bench-")
@@ -85,9 +89,9 @@ def run(ns) -> dict:
     runs = {"base": (base, None), "lora-0": (lora, None)}
     for n in ns.adapters:
         runs[f"lora-{n}"] = (lora, [adapters[i % n] for i in range(ns.requests)])
-    for llm, loras in runs.values():  # compile every shape and write every adapter before timing
-        _throughput(llm, prompts, ns.tokens, loras)
-    rounds = [{name: _throughput(llm, prompts, ns.tokens, loras) for name, (llm, loras) in runs.items()}
+    # compile every shape and write every adapter before timing; keep each run's tokens
+    tokens = {name: _run(llm, prompts, ns.tokens, loras)[1] for name, (llm, loras) in runs.items()}
+    rounds = [{name: _run(llm, prompts, ns.tokens, loras)[0] for name, (llm, loras) in runs.items()}
               for _ in range(ns.rounds)]  # fmt: skip
     report = {}
     for name in runs:
@@ -95,6 +99,8 @@ def run(ns) -> dict:
             "tok_s": statistics.median(r[name] for r in rounds),
             "ratio": statistics.median(r[name] / r["base"] for r in rounds),
             "rounds": [r[name] for r in rounds],
+            # requests whose greedy tokens differ from the base model's: 0 without an adapter
+            "changed": sum(a != b for a, b in zip(tokens[name], tokens["base"])) / ns.requests,
         }
     return report
 
@@ -108,12 +114,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--enforce-eager", action="store_true", help="Compile step shapes on first use.")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--output-json", default=None)
     ns = parser.parse_args(argv)
     report = run(ns)
     for name, r in report.items():
-        print(f"{name:8s} {r['tok_s']:7.1f} tok/s ({r['ratio']:.2f}x base)", flush=True)
+        print(
+            f"{name:8s} {r['tok_s']:7.1f} tok/s ({r['ratio']:.2f}x base), {r['changed']:.0%} of outputs not the base's",
+            flush=True,
+        )
     if ns.output_json:
         with open(ns.output_json, "w") as fh:
             json.dump({"config": vars(ns), "cpu_count": os.cpu_count(), "runs": report}, fh, indent=1)

@@ -76,22 +76,22 @@ def test_each_device_holds_its_slice_of_the_adapters(runs):
     layers, slots, rank, hidden, heads, head_dim = 2, 2, 8, 64, 8, 8
     q, mlp = heads * head_dim, 128
     full = report["1"]["shards"]
-    assert full["layers.q_proj_lora_a"] == [[layers, slots, hidden, rank]]
+    assert full["layers.qkv_proj_lora_a"] == [[layers, slots, hidden, 3, rank]]  # one A for q, k and v
     assert full["layers.k_proj_lora_b"] == [
         [layers, slots, rank, 2 * head_dim]
     ]  # the checkpoint's 2 KV heads
     # tp 8: outputs split (B of q/k/v, their biases), inputs split (A of o/down); KV heads copied to 8
     tp8 = report["8"]["shards"]
-    assert tp8["layers.q_proj_lora_a"] == [[layers, slots, hidden, rank]]
+    assert tp8["layers.qkv_proj_lora_a"] == [[layers, slots, hidden, 3, rank]]
     assert tp8["layers.q_proj_lora_b"] == [[layers, slots, rank, q // 8]]
     assert tp8["layers.k_proj_lora_b"] == [[layers, slots, rank, head_dim]]
     assert tp8["layers.k_proj_lora_bias"] == [[layers, slots, head_dim]]
-    assert tp8["layers.o_proj_lora_a"] == [[layers, slots, q // 8, rank]]
+    assert tp8["layers.o_proj_lora_a"] == [[layers, slots, q // 8, 1, rank]]
     assert tp8["layers.o_proj_lora_b"] == [[layers, slots, rank, hidden]]
-    assert tp8["layers.down_proj_lora_a"] == [[layers, slots, mlp // 8, rank]]
+    assert tp8["layers.down_proj_lora_a"] == [[layers, slots, mlp // 8, 1, rank]]
     # tp 4, fully sharded: the replicated factor of each projection split along the rank
     tp4 = report["4"]["shards"]
-    assert tp4["layers.q_proj_lora_a"] == [[layers, slots, hidden, rank // 4]]
+    assert tp4["layers.qkv_proj_lora_a"] == [[layers, slots, hidden, 3, rank // 4]]
     assert tp4["layers.q_proj_lora_b"] == [[layers, slots, rank, q // 4]]
-    assert tp4["layers.o_proj_lora_a"] == [[layers, slots, q // 4, rank]]
+    assert tp4["layers.o_proj_lora_a"] == [[layers, slots, q // 4, 1, rank]]
     assert tp4["layers.o_proj_lora_b"] == [[layers, slots, rank // 4, hidden]]

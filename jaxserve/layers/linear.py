@@ -112,34 +112,53 @@ def _groups(values: jax.Array, scale: jax.Array, mins: jax.Array | None) -> jax.
     return (w if mins is None else w + mins[:, None]).reshape(d_in, d_out)
 
 
-def lora_params(shape: tuple[int, ...], axes: tuple[str | None, ...], lora) -> dict[str, nnx.Param]:
-    """The LoRA slots (`lora`: a LoRAConfig) of a stacked projection [layers, in, out] by name
-    suffix: "_lora_a" [layers, slots, in, rank], "_lora_b" [layers, slots, rank, out] (the
-    adapter's scaling in B) and, with lora.bias, "_lora_bias" [layers, slots, out]; zero until an
-    adapter is written into a slot. Sharded along the kernel's own in and out axes, so each device
-    computes its part of the update beside its part of the projection; with lora.fully_sharded
-    the rank axis of the factor that would be replicated (A of a projection split by outputs, B
-    of one split by inputs) is split too."""
-    layers, d_in, d_out = shape
+# Projections that read the same input share one LoRA A parameter, so their (x A) is one matmul
+# (q, k, v: the normed hidden state; gate, up: the MLP's input): "qkv_proj_lora_a", "gateup_proj_lora_a".
+LORA_INPUT_GROUPS = (("q", "k", "v"), ("gate", "up"))
+
+
+def lora_group(name: str) -> tuple[str, ...]:
+    """The projections (short names) whose LoRA A parameter holds `name`'s, in order."""
+    return next((g for g in LORA_INPUT_GROUPS if name in g), (name,))
+
+
+def lora_a_members(group: str) -> tuple[str, ...]:
+    """The projections (short names) of a LoRA A parameter "<group>_proj_lora_a", in order."""
+    return next((g for g in LORA_INPUT_GROUPS if "".join(g) == group), (group,))
+
+
+def lora_params(projections: Mapping[str, tuple[tuple[int, ...], tuple]], lora) -> dict[str, nnx.Param]:
+    """The LoRA slots (`lora`: a LoRAConfig) of stacked projections (short name -> (kernel shape
+    [layers, in, out], its logical axes)) by parameter name: per group of projections that read
+    the same input, "<group>_proj_lora_a" [layers, slots, in, projections, rank]; per projection
+    "<name>_proj_lora_b" [layers, slots, rank, out] (the adapter's scaling in B) and, with
+    lora.bias, "<name>_proj_lora_bias" [layers, slots, out]; zero until an adapter is written
+    into a slot. Sharded along the kernels' own in and out axes, so each device computes its part
+    of the update beside its part of the projection; with lora.fully_sharded the rank axis of the
+    factor that would be replicated (A of projections split by outputs, B of one split by inputs)
+    is split too."""
     slots, rank = lora.max_loras, lora.max_lora_rank
 
     def rank_axis(other: str | None) -> str | None:
         return "lora_rank" if lora.fully_sharded and LOGICAL_AXIS_RULES.get(other) is None else None
 
-    params = {
-        "_lora_a": nnx.Param(
-            jnp.zeros((layers, slots, d_in, rank), jnp.float32),
-            logical_axes=(axes[0], None, axes[1], rank_axis(axes[1])),
-        ),
-        "_lora_b": nnx.Param(
-            jnp.zeros((layers, slots, rank, d_out), jnp.float32),
-            logical_axes=(axes[0], None, rank_axis(axes[2]), axes[2]),
-        ),
-    }
-    if lora.bias:
-        params["_lora_bias"] = nnx.Param(
-            jnp.zeros((layers, slots, d_out), jnp.float32), logical_axes=(axes[0], None, axes[2])
+    params = {}
+    for group in dict.fromkeys(lora_group(name) for name in projections):
+        (layers, d_in, _), axes = projections[group[0]]
+        params[f"{''.join(group)}_proj_lora_a"] = nnx.Param(
+            jnp.zeros((layers, slots, d_in, len(group), rank), jnp.float32),
+            logical_axes=(axes[0], None, axes[1], None, rank_axis(axes[1])),
         )
+        for name in group:
+            (_, _, d_out), axes = projections[name]
+            params[f"{name}_proj_lora_b"] = nnx.Param(
+                jnp.zeros((layers, slots, rank, d_out), jnp.float32),
+                logical_axes=(axes[0], None, rank_axis(axes[2]), axes[2]),
+            )
+            if lora.bias:
+                params[f"{name}_proj_lora_bias"] = nnx.Param(
+                    jnp.zeros((layers, slots, d_out), jnp.float32), logical_axes=(axes[0], None, axes[2])
+                )
     return params
 
 
@@ -152,37 +171,52 @@ def lora_mask(lora_slots: jax.Array | None, lora) -> jax.Array | None:
 
 
 def linear(x: jax.Array, w: Mapping[str, jax.Array], name: str, lora: jax.Array | None = None) -> jax.Array:
-    """x @ w[name_proj] (+ w[name_bias]); a quantized kernel is dequantized in the matmul. With
-    LoRA slots (`lora`: [rows, slots], each row's slot one-hot, all zero for the base model),
-    every row adds its own adapter's (x A) B: the products for all slots, masked per row (a few
-    slots of a small rank cost a fraction of the projection), no gather and no recompile whatever
-    the mix."""
+    """x @ w[name_proj] (+ w[name_bias]), with its LoRA update if `lora` (see linears)."""
+    return linears(x, w, (name,), lora)[0]
+
+
+def linears(
+    x: jax.Array, w: Mapping[str, jax.Array], names: tuple[str, ...], lora: jax.Array | None = None
+) -> list[jax.Array]:
+    """x @ w[name_proj] (+ w[name_bias]) for each projection of `names`, all reading x; a
+    quantized kernel is dequantized in the matmul. With LoRA slots (`lora`: [rows, slots], each
+    row's slot one-hot, all zero for the base model), every row adds its own adapter's (x A) B:
+    the products for all slots, masked per row (a few slots of a small rank cost a fraction of
+    the projection), no gather and no recompile whatever the mix; the projections' A share one
+    matmul."""
+    ys = [_project(x, w, name) for name in names]
+    lora_a = w.get(f"{''.join(names)}_proj_lora_a")
+    if lora_a is not None and lora is not None:
+        xa = jnp.einsum("ti,sipr->tpsr", x.astype(jnp.float32), lora_a) * lora[:, None, :, None]
+        for p, name in enumerate(names):
+            delta = jnp.einsum("tsr,sro->to", xa[:, p], w[f"{name}_proj_lora_b"])
+            lora_bias = w.get(f"{name}_proj_lora_bias")
+            if lora_bias is not None:
+                delta = delta + lora @ lora_bias
+            ys[p] = ys[p] + delta.astype(ys[p].dtype)
+    return [y if (bias := w.get(f"{name}_bias")) is None else y + bias for y, name in zip(ys, names)]
+
+
+def _project(x: jax.Array, w: Mapping[str, jax.Array], name: str) -> jax.Array:
+    """x @ w[name_proj], the kernel dequantized in the matmul if quantized."""
     kernel = w[f"{name}_proj"]
     scale = w.get(f"{name}_proj{SCALE_SUFFIX}")
     if scale is None:
-        y = x @ kernel
-    elif scale.ndim < kernel.ndim:  # one scale per output channel
-        y = (jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32) * scale).astype(x.dtype)
-    elif scale.ndim == kernel.ndim:  # int8 or fp8 in groups of inputs: q8, int8/N, fp8/N
-        y = jnp.dot(x.astype(jnp.float32), _groups(kernel, scale, None)).astype(x.dtype)
-    else:  # q4: two 4-bit values a byte, each nibble a half of the groups
-        mins = w[f"{name}_proj{MIN_SUFFIX}"]
-        xs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2, GROUP)  # [..., in / 64, 2, 32]
-        halves = [(kernel & 15, xs[..., 0, :]), (kernel >> 4, xs[..., 1, :])]
-        y = sum(
-            jnp.dot(part.reshape(*x.shape[:-1], -1), _groups(nibble, scale[:, i], mins[:, i]))
-            for i, (nibble, part) in enumerate(halves)
-        ).astype(x.dtype)
-    lora_a = w.get(f"{name}_proj_lora_a")
-    if lora_a is not None and lora is not None:
-        xa = jnp.einsum("ti,sir->tsr", x.astype(jnp.float32), lora_a) * lora[:, :, None]
-        delta = jnp.einsum("tsr,sro->to", xa, w[f"{name}_proj_lora_b"])
-        lora_bias = w.get(f"{name}_proj_lora_bias")
-        if lora_bias is not None:
-            delta = delta + lora @ lora_bias
-        y = y + delta.astype(y.dtype)
-    bias = w.get(f"{name}_bias")
-    return y if bias is None else y + bias
+        return x @ kernel
+    if scale.ndim < kernel.ndim:  # one scale per output channel
+        return (jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32) * scale).astype(
+            x.dtype
+        )
+    if scale.ndim == kernel.ndim:  # int8 or fp8 in groups of inputs: q8, int8/N, fp8/N
+        return jnp.dot(x.astype(jnp.float32), _groups(kernel, scale, None)).astype(x.dtype)
+    # q4: two 4-bit values a byte, each nibble a half of the groups
+    mins = w[f"{name}_proj{MIN_SUFFIX}"]
+    xs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2, GROUP)  # [..., in / 64, 2, 32]
+    halves = [(kernel & 15, xs[..., 0, :]), (kernel >> 4, xs[..., 1, :])]
+    return sum(
+        jnp.dot(part.reshape(*x.shape[:-1], -1), _groups(nibble, scale[:, i], mins[:, i]))
+        for i, (nibble, part) in enumerate(halves)
+    ).astype(x.dtype)
 
 
 def pack_q4(values: np.ndarray, scale: np.ndarray, mins: np.ndarray):

@@ -29,7 +29,15 @@ from flax import nnx
 from jaxserve.config import LoRAConfig
 from jaxserve.layers.activation import ACTIVATIONS
 from jaxserve.layers.attention import AttentionMetadata, paged_attention
-from jaxserve.layers.linear import LORA_TARGETS, SCALE_SUFFIX, kernel_params, linear, lora_mask, lora_params
+from jaxserve.layers.linear import (
+    LORA_TARGETS,
+    SCALE_SUFFIX,
+    kernel_params,
+    linear,
+    linears,
+    lora_mask,
+    lora_params,
+)
 from jaxserve.layers.moe import MoEArgs, moe_mlp
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import apply_rope, rope_attention_scaling, rope_inv_freq
@@ -134,14 +142,14 @@ class LlamaLayers(nnx.Module):
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
 
         formats = dict(a.kernel_formats)
+        adapted = {}  # the projections LoRA adapts: short name -> (shape, axes)
 
         def kernel(name: str, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> None:
             fmt = formats.get(name, a.quantization)
-            params = kernel_params(rngs, shape, axes, dtype, fmt)
-            if a.lora and name in LORA_TARGETS:
-                params.update(lora_params(shape, axes, a.lora))
-            for suffix, param in params.items():
+            for suffix, param in kernel_params(rngs, shape, axes, dtype, fmt).items():
                 setattr(self, name + suffix, param)
+            if a.lora and name in LORA_TARGETS:
+                adapted[name.removesuffix("_proj")] = (shape, axes)
 
         self.input_norm = _param(rngs, (n, e), ("layers", "norm"), dtype, "ones")
         kernel("q_proj", (n, e, q), ("layers", "embed", "q_heads"))
@@ -175,6 +183,8 @@ class LlamaLayers(nnx.Module):
             self.gate_bias = _param(rngs, (n, m), ("layers", "mlp"), dtype, "zeros")
             self.up_bias = _param(rngs, (n, m), ("layers", "mlp"), dtype, "zeros")
             self.down_bias = _param(rngs, (n, e), ("layers", "embed"), dtype, "zeros")
+        for key, param in (lora_params(adapted, a.lora) if a.lora else {}).items():
+            setattr(self, key, param)
 
     def stacked(self) -> dict[str, jax.Array]:
         return {name: var.value for name, var in vars(self).items() if isinstance(var, nnx.Param)}
@@ -236,9 +246,10 @@ class LlamaForCausalLM(nnx.Module):
             w, per_layer = xs
             layer_freq = per_layer.get("inv_freq", inv_freq)
             h = norm(x, w["input_norm"])
-            q = linear(h, w, "q", lora).reshape(num_tokens, a.num_heads, a.head_dim)
-            k = linear(h, w, "k", lora).reshape(num_tokens, a.num_kv_heads, a.head_dim)
-            v = linear(h, w, "v", lora).reshape(num_tokens, a.num_kv_heads, a.head_dim)
+            q, k, v = linears(h, w, ("q", "k", "v"), lora)
+            q = q.reshape(num_tokens, a.num_heads, a.head_dim)
+            k = k.reshape(num_tokens, a.num_kv_heads, a.head_dim)
+            v = v.reshape(num_tokens, a.num_kv_heads, a.head_dim)
             if a.qk_norm:
                 q = norm(q, w["q_norm"])
                 k = norm(k, w["k_norm"])
@@ -264,7 +275,8 @@ class LlamaForCausalLM(nnx.Module):
                 scales = tuple(w[n + SCALE_SUFFIX] for n in names) if a.quantization else None
                 out = moe_mlp(h, w["router"], *(w[n] for n in names), a.moe, scales)
             else:
-                out = linear(act(linear(h, w, "gate", lora)) * linear(h, w, "up", lora), w, "down", lora)
+                gate, up = linears(h, w, ("gate", "up"), lora)
+                out = linear(act(gate) * up, w, "down", lora)
             x = x + (norm(out, w["mlp_out_norm"]) if a.sandwich_norms else out)
             return (x, kv_pool), None
 

@@ -25,7 +25,7 @@ from flax import nnx
 from jaxserve.config import LoRAConfig
 from jaxserve.layers.activation import ACTIVATIONS
 from jaxserve.layers.attention import AttentionMetadata, paged_attention
-from jaxserve.layers.linear import kernel_params, linear, lora_mask, lora_params
+from jaxserve.layers.linear import kernel_params, linear, linears, lora_mask, lora_params
 from jaxserve.models.llama import _param
 
 
@@ -129,14 +129,17 @@ class OPTLayers(nnx.Module):
             "fc2": ((m, e), ("mlp", "embed"), ("embed",)),
         }
         for name, (shape, axes, bias_axes) in shapes.items():
-            params = kernel_params(rngs, (n, *shape), ("layers", *axes), dtype, a.quantization)
-            if a.lora:
-                params.update(lora_params((n, *shape), ("layers", *axes), a.lora))
-            for suffix, param in params.items():
+            for suffix, param in kernel_params(
+                rngs, (n, *shape), ("layers", *axes), dtype, a.quantization
+            ).items():
                 setattr(self, f"{name}_proj{suffix}", param)
             if a.bias:
                 bias = _param(rngs, (n, shape[1]), ("layers", *bias_axes), dtype, "zeros")
                 setattr(self, f"{name}_bias", bias)
+        if a.lora:  # every projection adapted
+            adapted = {name: ((n, *shape), ("layers", *axes)) for name, (shape, axes, _) in shapes.items()}
+            for key, param in lora_params(adapted, a.lora).items():
+                setattr(self, key, param)
 
     def stacked(self) -> dict[str, jax.Array]:
         return {name: var.value for name, var in vars(self).items() if isinstance(var, nnx.Param)}
@@ -185,9 +188,10 @@ class OPTForCausalLM(nnx.Module):
             x, kv_pool = carry
             w, index = xs
             h = norm(x, w, "attn_norm") if a.pre_norm else x
-            q = linear(h, w, "q", lora).reshape(num_tokens, a.num_heads, a.head_dim)
-            k = linear(h, w, "k", lora).reshape(num_tokens, a.num_kv_heads, a.head_dim)
-            v = linear(h, w, "v", lora).reshape(num_tokens, a.num_kv_heads, a.head_dim)
+            q, k, v = linears(h, w, ("q", "k", "v"), lora)
+            q = q.reshape(num_tokens, a.num_heads, a.head_dim)
+            k = k.reshape(num_tokens, a.num_kv_heads, a.head_dim)
+            v = v.reshape(num_tokens, a.num_kv_heads, a.head_dim)
             attn, kv_pool = paged_attention(
                 q, k, v, kv_pool, index, pages_per_layer, meta, sm_scale=a.head_dim**-0.5
             )

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig, jaxserve_cache_dir
 from jaxserve.layers.attention import pool_head_dim
-from jaxserve.layers.linear import KV_PROJECTIONS, LORA_SUFFIXES
+from jaxserve.layers.linear import KV_PROJECTIONS, LORA_SUFFIXES, lora_a_members, lora_group
 from jaxserve.layers.sampler import ProcessorState
 from jaxserve.loader.model_loader import build_model_args, load_model, repeat_kv_heads
 from jaxserve.lora.adapter import AdapterSpec, LoRAAdapter
@@ -431,8 +431,11 @@ class ModelRunner:
         shapes = {}
         for key in self._lora_keys:
             proj, part = str(key[-1]).rsplit("_lora_", 1)
-            if part == "a":
-                d_in, d_out = flat[key].value.shape[2], flat[(*key[:-1], f"{proj}_lora_b")].value.shape[-1]
+            if part == "b":
+                d_in = flat[
+                    (*key[:-1], f"{''.join(lora_group(proj.removesuffix('_proj')))}_proj_lora_a")
+                ].value.shape[2]
+                d_out = flat[key].value.shape[-1]
                 shapes[proj] = (d_in, d_out // copies if proj in KV_PROJECTIONS else d_out)
         weight_map = entry.model_cls.hf_weight_map(self.args)
         return AdapterSpec(
@@ -455,15 +458,19 @@ class ModelRunner:
         arrays = {k: flat[k].value for k in self._lora_keys}
         values = {}
         copies = getattr(self.args, "kv_head_copies", 1)
+        weights = adapter.weights if adapter is not None else {}
         for key, array in arrays.items():
-            proj, part = str(key[-1]).rsplit("_lora_", 1)
-            value = np.zeros((array.shape[0], *array.shape[2:]), np.float32)
-            weights = adapter.weights.get(proj) if adapter is not None else None
-            w = weights[("a", "b", "bias").index(part)] if weights is not None else None
-            if w is not None:
-                if part != "a" and proj in KV_PROJECTIONS and copies > 1:  # as the kernels' heads
+            stem, part = str(key[-1]).rsplit("_lora_", 1)
+            value = np.zeros((array.shape[0], *array.shape[2:]), np.float32)  # ranks padded with zeros
+            if part == "a":  # [layers, in, projections, rank]: the A of each projection of the group
+                for p, name in enumerate(lora_a_members(stem.removesuffix("_proj"))):
+                    if f"{name}_proj" in weights:
+                        a = weights[f"{name}_proj"][0]
+                        value[:, :, p, : a.shape[2]] = a
+            elif stem in weights and (w := weights[stem][1 if part == "b" else 2]) is not None:
+                if stem in KV_PROJECTIONS and copies > 1:  # as the kernels' heads
                     w = repeat_kv_heads(w, w.ndim - 1, copies, self.args.head_dim)
-                value[tuple(slice(0, n) for n in w.shape)] = w  # rank padded with zeros
+                value[tuple(slice(0, n) for n in w.shape)] = w
             values[key] = value
         if self._write_lora is None:
             self._write_lora = jax.jit(
