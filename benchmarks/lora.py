@@ -71,8 +71,10 @@ def run(ns) -> dict:
     from jaxserve.lora.request import LoRARequest
 
     model = os.path.expanduser(ns.model)
+    # compiled in this process only, neither reading nor filling the start-up executable cache:
+    # a measurement should not depend on what an earlier run stored
     common = {"max_model_len": ns.max_model_len, "max_num_seqs": ns.requests, "kv_cache_memory_bytes": "256M",
-              "enforce_eager": ns.enforce_eager}  # fmt: skip
+              "enforce_eager": ns.enforce_eager, "compilation_config": {"cache_dir": ""}}  # fmt: skip
     base = LLM(model, **common)
     lora = LLM(model, enable_lora=True, max_loras=max(ns.adapters), max_lora_rank=ns.rank, **common)
     directory = tempfile.mkdtemp(prefix="jaxserve-lora-bench-")
