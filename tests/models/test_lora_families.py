@@ -1,4 +1,5 @@
-"""LoRA adapters on every family's projection layout, against transformers + peft.
+"""LoRA adapters on every family's projection layout, against transformers + peft (the Llama
+itself in test_lora.py).
 
 Per family, two random PEFT adapters on every module PEFT would target there: one of rank 8 with
 rsLoRA and LoRA biases (lora_bias, --enable-lora-bias), one of rank 4 without. Fused modules are
@@ -25,8 +26,12 @@ from jaxserve.runner.model_runner import ModelRunner
 
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 FAMILIES = {  # name: (config class, model class, overrides, the modules PEFT adapts)
+    "mistral": (*DENSE_FAMILIES["mistral_swa"], LLAMA_TARGETS),
     "qwen2": (*DENSE_FAMILIES["qwen2"], LLAMA_TARGETS),  # q/k/v biases in the base model
+    "qwen3": (*DENSE_FAMILIES["qwen3"], LLAMA_TARGETS),  # q/k norms, head_dim != hidden / heads
+    "gemma": (*DENSE_FAMILIES["gemma"], LLAMA_TARGETS),
     "gemma2": (*DENSE_FAMILIES["gemma2"], LLAMA_TARGETS),
+    "gemma3": (*DENSE_FAMILIES["gemma3"], LLAMA_TARGETS),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
     "opt": ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 128}, ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]),
     "gpt2": (
