@@ -68,6 +68,25 @@ def step_cache():
         yield cache
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_default_executable_store():
+    """Engines built in the test process do not read or fill the user's executable store
+    (~/.cache/jaxserve/xla): test workers that loaded entries other processes of the same run
+    had written there crashed inside XLA's deserializer, and a store shared between runs would
+    hide compile-time regressions. A test that names a cache_dir still gets one
+    (tests/runner/test_executable_cache.py)."""
+    from jaxserve.runner import model_runner
+
+    original = model_runner.enable_compilation_cache
+
+    def only_when_named(cache_dir, mesh):
+        return None if cache_dir is None else original(cache_dir, mesh)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_runner, "enable_compilation_cache", only_when_named)
+        yield
+
+
 @pytest.fixture(scope="session", params=sorted(LLAMA_VARIANTS))
 def tiny_llama(request, tmp_path_factory):
     """(checkpoint dir, torch reference model) for each Llama variant."""
