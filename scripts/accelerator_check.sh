@@ -24,7 +24,7 @@ KIND=$(python3 -c "import jax; d = jax.devices()[0]; print(d.platform + '_' + d.
 echo "device: $KIND"
 status=0
 
-python3 -m pytest -q -p no:cacheprovider tests/kernels/test_on_device.py 2>&1 | tee "$RESULTS/accelerator_kernel_check_$KIND.log"
+python3 -m pytest -q -p no:cacheprovider tests/attention_kernels/test_on_device.py 2>&1 | tee "$RESULTS/accelerator_kernel_check_$KIND.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 for backend in pallas reference; do

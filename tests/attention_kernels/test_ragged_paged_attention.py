@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernels.attention_cases import F32_TOL, MIXES, PADDED_LAYOUT, QUANTIZED, build_case
+from attention_kernels.attention_cases import F32_TOL, MIXES, PADDED_LAYOUT, QUANTIZED, build_case
 
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
 

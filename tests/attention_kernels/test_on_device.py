@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernels.attention_cases import build_case
+from attention_kernels.attention_cases import build_case
 
 from jaxserve.layers.attention import _kernel, resolve_attention_backend
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
