@@ -29,6 +29,16 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under --scheduling sync, the tests that run their engines both ways themselves are not run
+    a second time."""
+    if config.getoption("scheduling") == "sync":
+        skip = pytest.mark.skip(reason="runs both schedulings itself")
+        for item in items:
+            if item.get_closest_marker("both_schedulings"):
+                item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def scheduling_default(request):
     """With --scheduling sync, engines whose arguments leave async_scheduling unset run synchronously."""

@@ -1,7 +1,7 @@
-"""Tensor parallelism on 8 fake CPU devices: the same greedy tokens at tp = 1, 2, 4 and 8
-(a GQA Llama with fewer KV heads than devices, the same with int8 weights and an int8 KV cache,
-and a Mixtral with expert parallelism), and every device holding only its own slice of each
-weight (and of each quantization scale) and of the KV pool.
+"""Tensor parallelism on 8 fake CPU devices: the same greedy tokens at tp = 1, 2 and 8 (the
+KV heads split, then copied) for a GQA Llama with fewer KV heads than devices, the same with
+int8 weights and an int8 KV cache, and a Mixtral with expert parallelism; and every device
+holding only its own slice of each weight (and of each quantization scale) and of the KV pool.
 
 The device count is fixed when JAX starts, so the engines run in one fresh subprocess."""
 
@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent(
     quantization = None if sys.argv[4] == "-" else sys.argv[4]
     kv_cache_dtype = sys.argv[5]
     report = {}
-    for tp in (1, 2, 4, 8):
+    for tp in (1, 2, 8):
         llm = LLM(path, **engine_kwargs(tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
                                         quantization=quantization, kv_cache_dtype=kv_cache_dtype))
         runner = llm.llm_engine.runner
@@ -125,10 +125,10 @@ def tp_runs(request, tmp_path_factory):
 
 def test_greedy_tokens_are_the_same_at_every_tensor_parallel_size(tp_runs):
     _, model, runs = tp_runs
-    for tp in (2, 4, 8, "orbax_tp8"):
+    for tp in (2, 8, "orbax_tp8"):
         if tp in runs:
             assert runs[tp]["tokens"] == runs[1]["tokens"], f"tp={tp}"
-    for tp in (2, 4, 8):  # under a JSON schema too: the mask is applied to replicated logits
+    for tp in (2, 8):  # under a JSON schema too: the mask is applied to replicated logits
         assert runs[tp]["guided"] == runs[1]["guided"], f"tp={tp}"
     for text in runs[1]["guided"]:
         value = json.loads(text)

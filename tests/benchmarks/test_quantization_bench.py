@@ -11,7 +11,7 @@ from benchmark_scripts import load_benchmark
 
 def test_int8_against_float_on_memory_accuracy_and_speed(tiny_llama_gqa, tmp_path, capsys):
     out = tmp_path / "quantization.json"
-    argv = ["--model", tiny_llama_gqa[0], "--methods", "none", "int8", "kv-int8", "--batches", "1", "4"]
+    argv = ["--model", tiny_llama_gqa[0], "--methods", "none", "int8", "kv-int8", "--batches", "1"]
     argv += [
         "--tokens",
         "4",
@@ -41,5 +41,5 @@ def test_int8_against_float_on_memory_accuracy_and_speed(tiny_llama_gqa, tmp_pat
     assert kv["kv_tokens_ratio"] == 4.0 and int8["kv_tokens_ratio"] == 1.0 and kv["weight_bytes_ratio"] == 1.0
     assert abs(kv["perplexity_ratio"] - 1) < 0.05 and kv["top1_agreement"] > 0.8
     for r in (none, int8):
-        assert set(r["decode"]) == {"1", "4"} and all(d["tok_s"] > 0 for d in r["decode"].values())
-    assert capsys.readouterr().out.count("tok/s") == 6
+        assert set(r["decode"]) == {"1"} and all(d["tok_s"] > 0 for d in r["decode"].values())
+    assert capsys.readouterr().out.count("tok/s") == 3

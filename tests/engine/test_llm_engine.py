@@ -292,6 +292,7 @@ def _everything(output) -> tuple[list, list]:
     [{"num_gpu_blocks_override": 12, "max_num_seqs": 4}, {"max_num_batched_tokens": 16, "max_num_seqs": 4}],
     ids=["preemption", "chunked-prefill"],
 )
+@pytest.mark.both_schedulings
 def test_asynchronous_scheduling_changes_no_output(tiny_llama_gqa, prompts, overrides):
     """One engine, the same mixed requests with async scheduling off, then on: every token, text,
     finish and stop reason is the same, and every logprob to float32 rounding; greedy and seeded, n and best_of,
