@@ -16,7 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_kernels.attention_cases import F32_TOL, MIXES, PADDED_LAYOUT, QUANTIZED, AttentionCase, build_case
+from attention_kernels.attention_cases import (
+    F32_TOL,
+    MIXES,
+    PADDED_LAYOUT,
+    QUANTIZED,
+    AttentionCase,
+    build_case,
+)
 
 from pallas_kernels.ragged_paged_attention import gpu, reference
 
