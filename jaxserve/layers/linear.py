@@ -6,7 +6,8 @@ symmetric: kernel ~= values * scale. The values are cast to the activations' dty
 jitted step and the scale is applied to the matmul's result, so the dequantized kernel exists
 only as XLA chooses to (fused into the dot or a per-layer temporary), never in memory between
 steps. Only the decoder layers' projections are quantized; embeddings, the LM head, routers,
-norms and biases keep the model's dtype, as in vLLM's weight-only schemes.
+norms and biases keep the model's dtype, as in vLLM's weight-only schemes (a GGUF file's Q8_0
+embedding table excepted, see embedding_params).
 
 A quantized kernel `q_proj` comes with a `q_proj_scale` parameter beside it (logical axes: the
 kernel's without the input axis, so tensor parallelism shards the scales with their channels).
@@ -217,6 +218,82 @@ def _project(x: jax.Array, w: Mapping[str, jax.Array], name: str) -> jax.Array:
         jnp.dot(part.reshape(*x.shape[:-1], -1), _groups(nibble, scale[:, i], mins[:, i]))
         for i, (nibble, part) in enumerate(halves)
     ).astype(x.dtype)
+
+
+# An embedding table kept in a GGUF file's Q8_0 groups (`embed_tokens` in "q8"): int8 values
+# [vocab, hidden] and a float32 scale per 32 hidden values [vocab, hidden / 32], a quarter of the
+# float32 table's bytes. A lookup dequantizes only the rows it reads. A tied LM head multiplies
+# by the whole table: XLA fuses the dequantization into a matrix-vector product for a few rows
+# (faster than float32: a quarter of the bytes read), but for more rows XLA:CPU would write a
+# float32 copy of the table before the dot, so there it goes HEAD_CHUNK_ROWS vocabulary rows at a
+# time and each float32 chunk stays in cache (benchmarks/quantized_head.py).
+HEAD_WHOLE_MAX_ROWS = 1
+HEAD_CHUNK_ROWS = 1024
+
+
+def embedding_params(rngs: nnx.Rngs, vocab: int, hidden: int, dtype, fmt: str | None) -> dict[str, nnx.Param]:
+    """The embedding table's parameters by name suffix: {"": [vocab, hidden] in `dtype`}, or in
+    Q8_0 groups {"": int8 values, "_scale": [vocab, hidden / 32] float32}."""
+    unit = jax.random.normal(rngs.params(), (vocab, hidden), jnp.float32)
+    if fmt is None:
+        return {"": nnx.Param((0.02 * unit).astype(dtype), logical_axes=("vocab", "embed"))}
+    if fmt != "q8" or hidden % GROUP:
+        raise ValueError(f"An embedding table is kept quantized only in Q8_0 groups of {GROUP}, not {fmt!r}.")
+    values = jnp.round(jnp.clip(unit * 32, -127, 127)).astype(jnp.int8)  # dequantized spread ~0.02
+    return {
+        "": nnx.Param(values, logical_axes=("vocab", "embed")),
+        SCALE_SUFFIX: nnx.Param(
+            jnp.full((vocab, hidden // GROUP), 0.02 / 32, jnp.float32), logical_axes=("vocab", None)
+        ),
+    }
+
+
+def _dequantize_rows(values: jax.Array, scale: jax.Array) -> jax.Array:
+    """Q8_0 rows [n, hidden] with their scales [n, hidden / 32] -> float32."""
+    n, hidden = values.shape
+    return (values.reshape(n, -1, GROUP).astype(jnp.float32) * scale[..., None]).reshape(n, hidden)
+
+
+def embed(table: jax.Array, scale: jax.Array | None, ids: jax.Array, dtype) -> jax.Array:
+    """The rows of the embedding table for `ids`, in `dtype`."""
+    if scale is None:
+        return table[ids]
+    return _dequantize_rows(table[ids], scale[ids]).astype(dtype)
+
+
+def tied_head(x: jax.Array, table: jax.Array, scale: jax.Array | None) -> jax.Array:
+    """x [rows, hidden] @ table.T -> float32 logits [rows, vocab] (the LM head of a model whose
+    head is its embedding table)."""
+    if scale is None:
+        return jnp.dot(x, table.T, preferred_element_type=jnp.float32)
+    x = x.astype(jnp.float32)
+    if x.shape[0] <= HEAD_WHOLE_MAX_ROWS or jax.default_backend() != "cpu":
+        return x @ _dequantize_rows(table, scale).T
+    axis = LOGICAL_AXIS_RULES["vocab"]
+    mesh = jax.sharding.get_abstract_mesh()  # the mesh the step is traced under, if any
+    if mesh.empty or mesh.shape.get(axis, 1) == 1:
+        return _chunked_head(x, table, scale)
+    spec = jax.sharding.PartitionSpec(axis)  # each device its own vocabulary rows
+    whole = jax.sharding.PartitionSpec()
+    head = jax.shard_map(
+        _chunked_head,
+        mesh=mesh,
+        in_specs=(whole, spec, spec),
+        out_specs=jax.sharding.PartitionSpec(None, axis),
+    )
+    return head(x, table, scale)
+
+
+def _chunked_head(x: jax.Array, table: jax.Array, scale: jax.Array) -> jax.Array:
+    vocab, hidden = table.shape
+    if vocab % HEAD_CHUNK_ROWS:
+        return x @ _dequantize_rows(table, scale).T
+    chunks = vocab // HEAD_CHUNK_ROWS
+    parts = jax.lax.map(
+        lambda c: x @ _dequantize_rows(*c).T,
+        (table.reshape(chunks, HEAD_CHUNK_ROWS, hidden), scale.reshape(chunks, HEAD_CHUNK_ROWS, -1)),
+    )  # [chunks, rows, HEAD_CHUNK_ROWS]
+    return jnp.moveaxis(parts, 0, 1).reshape(x.shape[0], vocab)
 
 
 def pack_q4(values: np.ndarray, scale: np.ndarray, mins: np.ndarray):

@@ -8,9 +8,9 @@ Nothing downstream needs to know the weights came from a GGUF.
 
 Quantized blocks are dequantized to float32 here, once, on the host; the model then casts to its
 serving dtype like any other checkpoint. The decoder projections whose every layer is stored in
-Q8_0, or every layer in Q4_0 / Q4_1 / Q4_K, can instead be read as their groups
-(`GroupQuantized`: integer values, a scale and a min per 32 inputs) to be served quantized
-(layers/linear.py).
+Q8_0, or every layer in Q4_0 / Q4_1 / Q4_K, and an embedding table in Q8_0, can instead be read
+as their groups (`GroupQuantized`: integer values, a scale and a min per 32 inputs) to be served
+quantized (layers/linear.py).
 """
 
 from __future__ import annotations
@@ -132,7 +132,8 @@ _GROUP_FORMATS = {_Q.Q8_0: "q8", _Q.Q4_0: "q4", _Q.Q4_1: "q4", _Q.Q4_K: "q4"}
 
 def gguf_kernel_formats(path: str) -> dict[str, str]:
     """HF projection names (``self_attn.q_proj`` ...) whose tensors are group-quantized in the
-    same format ("q8" or "q4") in every layer, with a multiple of 64 inputs a row for 4 bits.
+    same format ("q8" or "q4") in every layer, with a multiple of 64 inputs a row for 4 bits, and
+    ``model.embed_tokens`` when the embedding table is in Q8_0.
     Kept in the file cache: a warm start never parses the header."""
     formats = file_cache.read_json(path, "kernel-formats")
     if formats is None:
@@ -150,6 +151,8 @@ def _kernel_formats(reader: GGUFReader) -> dict[str, str]:
             if fmt == "q4" and int(tensor.shape[0]) % 64:
                 fmt = None
             seen.setdefault(_BLOCK_TENSORS[parts[2]], set()).add(fmt)
+        elif tensor.name == "token_embd.weight" and tensor.tensor_type == _Q.Q8_0:  # rows of 32s
+            seen[_GLOBAL_TENSORS["token_embd"]] = {"q8"}
     return {name: fmts.pop() for name, fmts in seen.items() if len(fmts) == 1 and None not in fmts}
 
 

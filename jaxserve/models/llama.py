@@ -32,11 +32,14 @@ from jaxserve.layers.attention import AttentionMetadata, paged_attention
 from jaxserve.layers.linear import (
     LORA_TARGETS,
     SCALE_SUFFIX,
+    embed,
+    embedding_params,
     kernel_params,
     linear,
     linears,
     lora_mask,
     lora_params,
+    tied_head,
 )
 from jaxserve.layers.moe import MoEArgs, moe_mlp
 from jaxserve.layers.norm import rms_norm
@@ -201,8 +204,13 @@ def _windows(layer_windows: tuple[int | None, ...]) -> tuple[int | None, np.ndar
 class LlamaForCausalLM(nnx.Module):
     def __init__(self, args: LlamaArgs, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.args = args
+        self.dtype = jnp.dtype(dtype)  # the activations' (a quantized table's rows are cast to it)
         a = args
-        self.embed_tokens = _param(rngs, (a.vocab_size, a.hidden_size), ("vocab", "embed"), dtype)
+        embedding = embedding_params(
+            rngs, a.vocab_size, a.hidden_size, dtype, dict(a.kernel_formats).get("embed_tokens")
+        )
+        for suffix, param in embedding.items():  # embed_tokens (and embed_tokens_scale, kept in Q8_0 groups)
+            setattr(self, "embed_tokens" + suffix, param)
         self.layers = LlamaLayers(a, dtype, rngs)
         self.norm = _param(rngs, (a.hidden_size,), ("norm",), dtype, "ones")
         if not a.tie_word_embeddings:
@@ -223,7 +231,9 @@ class LlamaForCausalLM(nnx.Module):
         lora = lora_mask(lora_slots, a.lora)
         sm_scale = a.attn_scale or a.head_dim**-0.5
         act = ACTIVATIONS[a.hidden_act]
-        x = self.embed_tokens.value[input_ids]  # [num_tokens, hidden]
+        scale = getattr(self, "embed_tokens" + SCALE_SUFFIX, None)
+        scale = None if scale is None else scale.value
+        x = embed(self.embed_tokens.value, scale, input_ids, self.dtype)  # [num_tokens, hidden]
         if a.embed_scale is not None:
             x = x * jnp.asarray(a.embed_scale, x.dtype)
 
@@ -282,8 +292,10 @@ class LlamaForCausalLM(nnx.Module):
 
         (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), (self.layers.stacked(), xs))
         x = norm(x[logits_indices], self.norm.value)
-        head = self.embed_tokens.value.T if a.tie_word_embeddings else self.lm_head.value
-        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+        if a.tie_word_embeddings:
+            logits = tied_head(x, self.embed_tokens.value, scale)
+        else:
+            logits = jnp.dot(x, self.lm_head.value, preferred_element_type=jnp.float32)
         if a.final_soft_cap is not None:
             logits = a.final_soft_cap * jnp.tanh(logits / a.final_soft_cap)
         return logits, kv_pool

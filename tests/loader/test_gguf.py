@@ -266,10 +266,11 @@ def test_second_load_reads_the_file_cache_not_the_gguf(tmp_path, monkeypatch):
 
     first = load()
     entries = list((tmp_path / "cache" / "jaxserve" / "files").iterdir())
+    # (weights "-groups": the file's Q8_0 embedding is kept in its groups)
     assert len(entries) == 1 and {p.name for p in entries[0].iterdir()} == {
         "config",
         "kernel-formats",
-        "weights-kv1",
+        "weights-kv1-groups",
     }
 
     def refuse(*args, **kwargs):
@@ -283,7 +284,7 @@ def test_second_load_reads_the_file_cache_not_the_gguf(tmp_path, monkeypatch):
 
     monkeypatch.undo()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    weights = entries[0] / "weights-kv1"
+    weights = entries[0] / "weights-kv1-groups"
     victim = sorted(weights.iterdir())[0]
     victim.write_bytes(b"not an array")
     third = load()

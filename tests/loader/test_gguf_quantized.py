@@ -2,7 +2,8 @@
 Q8_0 as int8 groups, Q4_0 / Q4_1 / Q4_K as 4-bit values two a byte with a scale and a min per
 group. The groups read from the file dequantize to what the gguf package dequantizes; the model
 served quantized gives the logits of the same file dequantized to float32 (--quantization none)
-at every prompt position, holding its projections in about a fifth of the bytes."""
+at every prompt position, holding its projections in about a fifth of the bytes. A Q8_0
+embedding table is kept in its groups too: the lookup and a tied LM head read it as it is."""
 
 from __future__ import annotations
 
@@ -34,15 +35,18 @@ def test_groups_dequantize_to_what_the_gguf_package_gives(quantized_gguf):
     kind, tiny = quantized_gguf
     formats = gguf_kernel_formats(tiny.path)
     fmt = "q8" if kind == "Q8_0" else "q4"
+    assert formats.pop("model.embed_tokens") == "q8"  # the tiny files' embedding is Q8_0
     assert formats == {name: fmt for name in formats} and len(formats) == 7
-    tensors = dict(iter_gguf_tensors(tiny.path, use_tqdm=False, grouped=frozenset(formats)))
+    tensors = dict(
+        iter_gguf_tensors(tiny.path, use_tqdm=False, grouped=frozenset(formats) | {"model.embed_tokens"})
+    )
     grouped = {n: t for n, t in tensors.items() if isinstance(t, GroupQuantized)}
-    assert len(grouped) == 7 * 2  # every projection of both layers
+    assert len(grouped) == 7 * 2 + 1  # every projection of both layers, and the embedding
     for name, g in grouped.items():
         values = g.values.astype(np.float32).reshape(g.shape[0], -1, 32)
         w = values * g.scale[..., None] + (0 if g.min is None else g.min[..., None])
         np.testing.assert_allclose(w.reshape(g.shape), tiny.tensors[name], rtol=1e-6, atol=1e-6, err_msg=name)
-        assert g.values.dtype == (np.int8 if kind == "Q8_0" else np.uint8)
+        assert g.values.dtype == (np.int8 if kind == "Q8_0" or "embed_tokens" in name else np.uint8)
 
 
 def test_served_in_groups_the_logits_are_the_dequantized_models(quantized_gguf):
@@ -55,13 +59,15 @@ def test_served_in_groups_the_logits_are_the_dequantized_models(quantized_gguf):
         ids = rng.integers(3, 200, size=n).tolist()
         want = prompt_logits(plain, ids)  # (logits of this model's unit-variance weights reach ~50)
         np.testing.assert_allclose(prompt_logits(grouped, ids), want, atol=5e-5 * np.abs(want).max(), rtol=0)
-    sizes = {}
+    sizes, tables = {}, {}
     for runner in (grouped, plain):
         flat = {".".join(map(str, k)): v.value for k, v in runner.state.flat_state()}
         sizes[runner] = sum(a.nbytes for p, a in flat.items() if p.split(".")[-1].startswith(PROJECTIONS))
+        tables[runner] = sum(a.nbytes for p, a in flat.items() if p.startswith("embed_tokens"))
     # float32 kernels: 4 bytes a weight; int8 groups 1 + 4/32; 4 bits two a byte, scale and min 0.5 + 8/32
     want = (1 + 4 / 32) / 4 if kind == "Q8_0" else (0.5 + 8 / 32) / 4
     assert sizes[grouped] / sizes[plain] == pytest.approx(want, rel=0.01)
+    assert tables[grouped] / tables[plain] == pytest.approx((1 + 4 / 32) / 4)  # the Q8_0 embedding
 
 
 def test_a_tensor_parallel_size_that_would_split_a_group_is_refused(quantized_gguf):
@@ -93,7 +99,8 @@ for tp in (1, 3):
     llm = LLM(path, **engine_kwargs(tensor_parallel_size=tp, max_model_len=256))
     flat = {".".join(map(str, k)): v.value for k, v in llm.llm_engine.runner.state.flat_state()}
     shards = {p: sorted({tuple(s.data.shape) for s in flat[p].addressable_shards})
-              for p in ("layers.o_proj", "layers.o_proj_scale", "layers.down_proj_min", "layers.q_proj")}
+              for p in ("layers.o_proj", "layers.o_proj_scale", "layers.down_proj_min", "layers.q_proj",
+                        "embed_tokens", "embed_tokens_scale")}
     outs = llm.generate(["The capital of France is", "def fibonacci(n):"],
                         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     report[tp] = {"tokens": [o.outputs[0].token_ids for o in outs], "shards": shards,
@@ -106,7 +113,8 @@ print(json.dumps(report))
 def test_the_default_models_4bit_groups_split_over_three_devices(default_gguf):
     """SmolLM2's 9 heads and 3 KV heads split over 3 (fake) devices: each holds a third of every
     packed kernel and of its group scales (o_proj and down_proj by input, whole pairs of groups
-    each), and greedy tokens are those of one device."""
+    each) and a third of the Q8_0 embedding's rows, and greedy tokens are those of one device. (The
+    steps' 8 logit rows take the tied head through its vocabulary chunks, each device its own.)"""
     import json
 
     from tiny_models import run_on_fake_devices
@@ -120,3 +128,5 @@ def test_the_default_models_4bit_groups_split_over_three_devices(default_gguf):
     assert three["shards"]["layers.o_proj_scale"] == [[layers, 9 // 3, 2, 576]]  # 9 pairs of groups
     assert three["shards"]["layers.down_proj_min"] == [[layers, 24 // 3, 2, 576]]
     assert three["shards"]["layers.q_proj"] == [[layers, 576 // 2, 576 // 3]]  # split by output
+    assert three["shards"]["embed_tokens"] == [[49152 // 3, 576]]  # Q8_0 rows, split by vocabulary
+    assert three["shards"]["embed_tokens_scale"] == [[49152 // 3, 576 // 32]]
