@@ -78,6 +78,33 @@ def step_cache():
         yield cache
 
 
+# XLA:CPU maps each compiled program's code into memory and unmaps it only when the program is
+# dropped; a worker that keeps every program of a long run alive (the StepCache above, JAX's own
+# caches) passes Linux's limit of 65530 maps a process and then crashes inside XLA (segfaults
+# in compile and in deserialize, seen late in full runs). Past this many maps, a module's end
+# drops them all.
+MAX_MAPS_KEPT = 25_000
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps") as fh:
+            return sum(1 for _ in fh)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def drop_compiled_programs_past_the_map_limit(step_cache):
+    yield
+    if _memory_maps() > MAX_MAPS_KEPT:
+        import gc
+
+        step_cache.clear()
+        jax.clear_caches()
+        gc.collect()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_default_executable_store():
     """Engines built in the test process do not read or fill the user's executable store
