@@ -105,7 +105,13 @@ class _Presence:
         self.rank, self.closing = process_id, False
         deadline = time.monotonic() + timeout_s
         if process_id == 0:
-            server = socket.create_server((host, port))
+            try:
+                server = socket.create_server((host, port))
+            except OSError as err:
+                raise DistributedError(
+                    f"Process 0 cannot listen on {host}:{port} (the port after the coordinator's, "
+                    f"{port - 1}): {err.strerror or err}."
+                ) from None
             server.settimeout(1.0)
             self.peers: dict[int, socket.socket] = {}
             while len(self.peers) < num_processes - 1:
