@@ -96,6 +96,16 @@ def score(model, ids: list[int]):
     return float(nll), logits
 
 
+def fp8_scale(amax):
+    """The e4m3 scale that maps `amax` (a tensor of largest magnitudes) to the format's largest
+    value, as the engine's quantize_kernel does (1 where amax is 0)."""
+    import torch
+
+    from jaxserve.layers.linear import WEIGHT_QUANTIZATIONS
+
+    return torch.where(amax > 0, amax / WEIGHT_QUANTIZATIONS["fp8"][1], torch.ones_like(amax))
+
+
 def round_fp8(w, scale):
     """w / scale rounded to the nearest float8 e4m3 value, times scale (float64 in and out)."""
     import torch
@@ -148,8 +158,7 @@ def gptq_fp8(weight, moments, damp: float, block: int = 128):
     w[:, dead] = 0.0
     h += damp * torch.diag(h).mean() * torch.eye(h.shape[0], dtype=h.dtype)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    amax = w.abs().amax(1)
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    scale = fp8_scale(w.abs().amax(1))
     q = torch.zeros_like(w)
     for a in range(0, w.shape[1], block):
         b = min(a + block, w.shape[1])
@@ -193,7 +202,7 @@ def quantized_weights(model, variant: str, calibration: list[list[int]], sampled
         if variant in ("fp8-channel", "int8-channel"):
             new = engine_rounding(w, variant.partition("-")[0])
         elif variant == "fp8-tensor":
-            new = round_fp8(w.double(), w.abs().max().double() / 448.0).float()
+            new = round_fp8(w.double(), fp8_scale(w.abs().max().double())).float()
         elif variant.startswith("fp8-gptq"):
             new = gptq_fp8(w, moments[(i, name)], damp=0.1 if variant.endswith("calibration") else 0.01)
         elif variant == "fp8-rotated":
@@ -269,14 +278,11 @@ def sampled_text(model, tokenizer, tokens_each: int = 400) -> list[list[int]]:
 
 
 def run(ns) -> dict:
-    import torch
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, repo)
     from jaxserve.runner.kv_scales import CALIBRATION_TEXT
 
-    text = runpy.run_path(os.path.join(repo, "benchmarks", "quantization.py"))["TEXT"]
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    here = os.path.dirname(os.path.abspath(__file__))
+    text = runpy.run_path(os.path.join(here, "quantization.py"))["TEXT"]
     tokenizer, model = load(ns.model)
     ids = tokenizer.encode(text)[: ns.text_tokens]
     calibration = [tokenizer.encode(CALIBRATION_TEXT)]

@@ -27,7 +27,7 @@ def test_gptq_lands_on_the_fp8_grid_with_less_output_error_than_rounding_to_near
     x[:, :4] *= 8
     gptq = study.gptq_fp8(weight, x.T @ x, damp=0.01).double()
     nearest = study.engine_rounding(weight, "fp8").double()
-    scale = weight.double().abs().amax(1, keepdim=True) / 448.0
+    scale = study.fp8_scale(weight.double().abs().amax(1, keepdim=True))
     # every value an e4m3 value times its channel's scale (to float32's precision, as returned)
     assert torch.allclose(study.round_fp8(gptq, scale), gptq, rtol=1e-6, atol=0)
     assert torch.allclose(nearest, study.round_fp8(weight.double(), scale).float().double(), rtol=1e-6)
