@@ -3,11 +3,14 @@
 Two `jaxserve serve` processes on the same model and flags, one with `--no-async-scheduling` and
 one with `--async-scheduling`, both up for the whole run; `jaxserve bench serve` then measures
 each concurrency on one server and right after on the other (random prompts, EOS ignored, every
-request at once behind --max-concurrency), so a noisy machine weighs on both alike. Each
+request at once behind --max-concurrency), so a noisy machine weighs on both alike. With
+--rounds N each concurrency is measured N times, the mode that goes first alternating, and the
+ratios come from the rounds' sums (each round's ratio is kept too: their spread is the noise). Each
 benchmark's result JSON is kept, and a summary with the async/sync ratios of output tok/s and
 TTFT.
 
-    python benchmarks/serving_async.py [--concurrency 1 8 32] [--output-json FILE] [-- serve flags]
+    python benchmarks/serving_async.py [--concurrency 1 8 32] [--rounds 1] [--output-json FILE]
+        [-- serve flags]
 """
 
 from __future__ import annotations
@@ -32,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument(
         "--prompts-per-slot", type=int, default=2, help="Requests per concurrency slot (at least 8 in all)."
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="Measurements per concurrency and mode, alternating which goes first.",
     )
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -66,6 +75,19 @@ def bench(base: str, concurrency: int, ns, result_dir: str, name: str) -> dict:
         return json.load(fh)
 
 
+def summarize(concurrency: int, runs: dict[str, list[dict]]) -> dict:
+    """One concurrency's rounds: each mode's means, the ratio of the means and each round's ratio."""
+    row: dict = {"concurrency": concurrency, "rounds": len(runs["sync"])}
+    for mode, found in runs.items():
+        row[mode] = {k: sum(r[k] for r in found) / len(found) for k in REPORTED}
+        row[f"{mode}_rounds"] = found
+    row["async_over_sync"] = {k: row["async"][k] / row["sync"][k] for k in REPORTED}
+    row["round_ratios"] = {
+        k: [a[k] / s[k] for s, a in zip(runs["sync"], runs["async"], strict=True)] for k in REPORTED
+    }
+    return row
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     log_dir = tempfile.mkdtemp(prefix="jaxserve-serving-async-")
@@ -79,18 +101,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             bench(base, max(ns.concurrency), ns, log_dir, f"warmup-{mode}.json")
         rows = []
         for c in ns.concurrency:
-            row = {"concurrency": c}
-            for mode, (_, base, _) in servers.items():
-                result = bench(base, c, ns, result_dir, f"serving_async_{mode}_c{c}.json")
-                row[mode] = {k: result[k] for k in REPORTED}
-            row["async_over_sync"] = {k: row["async"][k] / row["sync"][k] for k in REPORTED}
-            rows.append(row)
-            r = row["async_over_sync"]
+            runs = {mode: [] for mode in MODES}
+            for round_ in range(ns.rounds):
+                for mode in MODES if round_ % 2 == 0 else reversed(MODES):
+                    name = f"serving_async_{mode}_c{c}" + (f"_r{round_}" if ns.rounds > 1 else "")
+                    result = bench(servers[mode][1], c, ns, result_dir, name + ".json")
+                    runs[mode].append({k: result[k] for k in REPORTED})
+            rows.append(summarize(c, runs))
+            row, r = rows[-1], rows[-1]["async_over_sync"]
             print(
                 f"concurrency {c:3d}: output tok/s sync {row['sync']['output_throughput']:.1f}, async "
-                f"{row['async']['output_throughput']:.1f} ({r['output_throughput']:.2f}x); mean TTFT "
+                f"{row['async']['output_throughput']:.1f} ({r['output_throughput']:.3f}x, rounds "
+                f"{', '.join(f'{x:.2f}' for x in row['round_ratios']['output_throughput'])}); mean TTFT "
                 f"sync {row['sync']['mean_ttft_ms']:.0f} ms, async {row['async']['mean_ttft_ms']:.0f} ms "
-                f"({r['mean_ttft_ms']:.2f}x)"
+                f"({r['mean_ttft_ms']:.3f}x, rounds {', '.join(f'{x:.2f}' for x in row['round_ratios']['mean_ttft_ms'])})"
             )
     finally:
         for proc, _, log in servers.values():

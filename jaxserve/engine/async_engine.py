@@ -37,6 +37,7 @@ from jaxserve.beam_search import (
 from jaxserve.config import EngineConfig
 from jaxserve.engine.input_processor import PromptType
 from jaxserve.engine.llm_engine import EngineDeadError, LLMEngine
+from jaxserve.engine.pacing import StepPacer, StepWatcher
 from jaxserve.engine.parent_request import ParentRequest
 from jaxserve.engine.router import Router
 from jaxserve.engine.stats import IterationStats, SchedulerStats
@@ -86,6 +87,7 @@ class _Replica:
     inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     wakeup: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
+    watcher: StepWatcher | None = None  # wakes the thread when a step ends on the device
     stats: SchedulerStats | None = None  # its last published snapshot
 
 
@@ -139,6 +141,7 @@ class AsyncLLMEngine:
         self._stopping = False
         for r in self.replicas:
             name = "jaxserve-engine" if len(self.replicas) == 1 else f"jaxserve-engine-{r.index}"
+            r.watcher = StepWatcher(r.wakeup, name=name.replace("engine", "step-watcher"))
             r.thread = threading.Thread(target=self._run, args=(r,), name=name, daemon=True)
             r.thread.start()
 
@@ -154,6 +157,7 @@ class AsyncLLMEngine:
         for r in self.replicas:
             r.thread.join()
             r.thread = None
+            r.watcher.stop()
         for stream in self._streams.values():
             stream.fail(EngineRequestError("The server is shutting down."))
         self._streams.clear()
@@ -317,6 +321,7 @@ class AsyncLLMEngine:
 
     def _run(self, replica: _Replica) -> None:
         engine = replica.engine
+        watched = False  # the watcher wakes this thread when the step in flight ends
         try:
             while not self._stopping and self.dead_error is None:
                 self._drain_inbox(replica)
@@ -331,10 +336,11 @@ class AsyncLLMEngine:
                     continue
                 wait = engine.seconds_until_next_step()
                 if wait > 0:  # requests that come meanwhile join the next step (engine/pacing.py)
-                    replica.wakeup.wait(wait)
+                    replica.wakeup.wait(wait if watched else min(wait, StepPacer.POLL_S))
                     replica.wakeup.clear()
                     continue
                 outputs = engine.step()
+                watched = replica.watcher.watch(engine.in_flight_waiter())
                 stats = (engine.scheduler_stats(), engine.iteration_stats)
                 self._loop.call_soon_threadsafe(self._publish, replica, outputs, stats)
         except BaseException as e:  # the engine cannot go on: fail everyone, /health says so

@@ -24,10 +24,11 @@ scheduler. A step whose device call fails fails only the requests in that step.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.input_processor import InputProcessor, PromptType
@@ -188,13 +189,23 @@ class LLMEngine:
         self.abort_request(list(self.output_processor.parents))
 
     def seconds_until_next_step(self) -> float:
-        """How long the server's loop may wait for more requests before asking again (asynchronous
-        scheduling: until shortly before the step in flight ends, StepPacer.POLL_S at a time);
-        0: plan the next step now."""
+        """How long the server's loop may wait for more requests before planning the next step
+        (asynchronous scheduling: until shortly before the step in flight is expected to end); 0:
+        plan it now. A loop that sleeps this long should be woken if the step ends sooner (see
+        in_flight_waiter), or ask again every StepPacer.POLL_S."""
         at = self.pacer.plan_at() if self.async_scheduling and self._in_flight is not None else None
         if at is None or self._has_ended(self._in_flight[1]):
             return 0.0
-        return min(max(0.0, at - time.perf_counter()), self.pacer.POLL_S)
+        return max(0.0, at - time.perf_counter())
+
+    def in_flight_waiter(self) -> Callable[[], None] | None:
+        """A call that blocks, on any thread, until the step now in flight has ended on the device:
+        a thread that runs it can wake the server's loop then, which otherwise has to ask every
+        few milliseconds. None: no step in flight, or a runner that cannot be waited on."""
+        wait_ready = getattr(self.runner, "wait_ready", None)
+        if self._in_flight is None or wait_ready is None:
+            return None
+        return functools.partial(wait_ready, self._in_flight[1])
 
     def _has_ended(self, handle) -> bool:
         """Whether a dispatched step is done on the device (a test's fake runner may not say: yes)."""

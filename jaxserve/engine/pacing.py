@@ -14,15 +14,20 @@ early (the old behaviour) rather than leaving the device idle. A step size never
 step whose end was not observed, is not waited for.
 
 A guess that is too long (a step measured while another process held the cores) must not last:
-the loop asks again every POLL_S and plans at once when the step in flight has ended, and a step
-found ended when the host came for it ended no later than then, which lowers a longer guess.
+a StepWatcher thread waits on the device for the step in flight and wakes the loop when it ends,
+and the loop then plans at once; a step found ended when the host came for it ended no later than
+then, which lowers a longer guess. (Without a watcher the loop asks every POLL_S instead: on a
+machine whose cores also run the step, those wake-ups slow the step itself.)
 """
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 
 def size_class(num_tokens: int) -> int:
@@ -31,7 +36,7 @@ def size_class(num_tokens: int) -> int:
 
 
 class StepPacer:
-    POLL_S = 0.002  # the longest the loop waits before asking again whether the device is done
+    POLL_S = 0.002  # without a StepWatcher: the longest the loop waits before asking again
 
     def __init__(self, margin_s: float | None = None, host_factor: float = 2.0) -> None:
         # kept free before the expected end besides the host's own time; by default Python's
@@ -88,3 +93,32 @@ class StepPacer:
         if started is None or not recent:
             return None
         return started + min(recent) - self.host_factor * self._host_s - self.margin_s
+
+
+class StepWatcher:
+    """A thread that runs each blocking wait handed to it (LLMEngine.in_flight_waiter: until a
+    step ends on the device) and then sets `event`, so that the loop sleeping on the event plans
+    the next step as soon as the one in flight ends, if that comes before its planned time."""
+
+    def __init__(self, event: threading.Event, name: str = "jaxserve-step-watcher") -> None:
+        self._event = event
+        self._waits: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def watch(self, wait: Callable[[], object] | None) -> bool:
+        """Run `wait` (None: nothing to watch); whether the event will be set when it returns."""
+        if wait is not None:
+            self._waits.put(wait)
+        return wait is not None
+
+    def stop(self) -> None:
+        """End the thread after the wait it is in (a step in flight ends on its own)."""
+        self._waits.put(None)
+
+    def _run(self) -> None:
+        while (wait := self._waits.get()) is not None:
+            try:
+                wait()
+            except Exception:  # a failed step: the engine's thread reports it when it collects it
+                pass
+            self._event.set()

@@ -540,6 +540,12 @@ class ModelRunner:
         """Whether the step has finished on the device (collect() would not wait)."""
         return step.result.tokens.is_ready()
 
+    @staticmethod
+    def wait_ready(step: DispatchedStep) -> None:
+        """Block until the step has finished on the device, without reading its results (the
+        interpreter is free meanwhile): how the server's loop learns that a step ended."""
+        step.result.tokens.block_until_ready()
+
     def collect(self, step: DispatchedStep) -> ModelRunnerOutput:
         """Wait for a dispatched step: the one device->host copy of its results (several processes:
         from this process's own replica)."""

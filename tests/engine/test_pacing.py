@@ -3,7 +3,9 @@ flight is expected to end, so that a request arriving meanwhile joins it instead
 
 StepPacer on made-up times, then the server's engine loop (AsyncLLMEngine) over a fake device whose
 steps take a fixed time: a request that arrives while a step runs has its prefill in the very next
-step, where planning a whole step ahead puts one more step before it."""
+step, where planning a whole step ahead puts one more step before it. The loop sleeps until its
+planned time or until a watcher thread sees the step in flight end; with a runner that cannot be
+waited on it asks every few milliseconds instead."""
 
 from __future__ import annotations
 
@@ -114,15 +116,34 @@ class TimedRunner(FakeRunner):
         return handle[0]
 
 
-@pytest.mark.parametrize("paced", [True, False], ids=["paced", "a-step-ahead"])
-async def test_a_request_arriving_during_a_step_joins_the_next_one(tiny_llama_gqa, paced, monkeypatch):
+class WatchedRunner(TimedRunner):
+    """TimedRunner whose steps can be waited on without collecting them, as ModelRunner's."""
+
+    def wait_ready(self, handle) -> None:
+        time.sleep(max(0.0, handle[1] - time.perf_counter()))
+
+
+RUNNERS = pytest.mark.parametrize("runner_class", [WatchedRunner, TimedRunner], ids=["watched", "polled"])
+
+
+def _timed_engine(model: str, runner_class: type[TimedRunner]) -> LLMEngine:
     kwargs = engine_kwargs(max_num_seqs=4, num_gpu_blocks_override=32)
     kwargs.pop("compilation_config")
-    config = EngineArgs(model=tiny_llama_gqa[0], async_scheduling=True, **kwargs).create_engine_config()
-    runner = TimedRunner(config.cache_config.num_gpu_blocks_override, config.model_config.get("vocab_size"))
+    config = EngineArgs(model=model, async_scheduling=True, **kwargs).create_engine_config()
+    runner = runner_class(config.cache_config.num_gpu_blocks_override, config.model_config.get("vocab_size"))
+    return LLMEngine(config, runner=runner)
+
+
+@RUNNERS
+@pytest.mark.parametrize("paced", [True, False], ids=["paced", "a-step-ahead"])
+async def test_a_request_arriving_during_a_step_joins_the_next_one(
+    tiny_llama_gqa, paced, runner_class, monkeypatch
+):
+    engine = _timed_engine(tiny_llama_gqa[0], runner_class)
+    runner = engine.runner
     if not paced:
         monkeypatch.setattr(LLMEngine, "seconds_until_next_step", lambda self: 0.0)
-    server = AsyncLLMEngine(LLMEngine(config, runner=runner))
+    server = AsyncLLMEngine(engine)
     server.start()
     try:
         params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -146,14 +167,12 @@ async def test_a_request_arriving_during_a_step_joins_the_next_one(tiny_llama_gq
         assert statistics.median(gaps) < TimedRunner.STEP / 5
 
 
-async def test_a_guess_far_too_long_neither_stalls_the_loop_nor_lasts(tiny_llama_gqa):
+@RUNNERS
+async def test_a_guess_far_too_long_neither_stalls_the_loop_nor_lasts(tiny_llama_gqa, runner_class):
     """Step lengths measured while the machine was busy elsewhere (100x the real ones): the loop
     still plans each step once the one in flight is done, and the guess comes down to the truth."""
-    kwargs = engine_kwargs(max_num_seqs=4, num_gpu_blocks_override=32)
-    kwargs.pop("compilation_config")
-    config = EngineArgs(model=tiny_llama_gqa[0], async_scheduling=True, **kwargs).create_engine_config()
-    runner = TimedRunner(config.cache_config.num_gpu_blocks_override, config.model_config.get("vocab_size"))
-    engine = LLMEngine(config, runner=runner)
+    engine = _timed_engine(tiny_llama_gqa[0], runner_class)
+    runner = engine.runner
     slow = 100 * TimedRunner.STEP
     engine.pacer._durations = {size: [slow] * 4 for size in (1, 2, 4, 8, 16)}
     server = AsyncLLMEngine(engine)
@@ -171,3 +190,30 @@ async def test_a_guess_far_too_long_neither_stalls_the_loop_nor_lasts(tiny_llama
     gaps = [b[0] - a[1] for a, b in zip(runner.timeline, runner.timeline[1:])]
     assert max(gaps) < TimedRunner.STEP / 3
     assert min(engine.pacer._durations[1]) < 1.5 * TimedRunner.STEP  # the decode steps' guess
+
+
+@RUNNERS
+async def test_the_loop_sleeps_through_a_step_when_it_can_be_woken_at_its_end(
+    tiny_llama_gqa, runner_class, monkeypatch
+):
+    """With a runner whose steps can be waited on, the loop wakes a few times per step (its planned
+    time, the step's end); without, it asks every StepPacer.POLL_S, and each wake-up takes a core
+    from a step that runs on the same cores."""
+    engine = _timed_engine(tiny_llama_gqa[0], runner_class)
+    asked = []
+    real = LLMEngine.seconds_until_next_step
+    monkeypatch.setattr(LLMEngine, "seconds_until_next_step", lambda self: asked.append(1) or real(self))
+    server = AsyncLLMEngine(engine)
+    server.start()
+    try:
+        async for _ in server.generate(
+            {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=12, ignore_eos=True), "r"
+        ):
+            pass
+    finally:
+        server.shutdown()
+    per_step = len(asked) / len(engine.runner.timeline)
+    if runner_class is WatchedRunner:
+        assert per_step <= 5
+    else:
+        assert per_step >= 10
