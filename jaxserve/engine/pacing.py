@@ -103,7 +103,8 @@ class StepWatcher:
     def __init__(self, event: threading.Event, name: str = "jaxserve-step-watcher") -> None:
         self._event = event
         self._waits: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
 
     def watch(self, wait: Callable[[], object] | None) -> bool:
         """Run `wait` (None: nothing to watch); whether the event will be set when it returns."""
@@ -111,9 +112,11 @@ class StepWatcher:
             self._waits.put(wait)
         return wait is not None
 
-    def stop(self) -> None:
-        """End the thread after the wait it is in (a step in flight ends on its own)."""
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the thread once the wait it is in returns (a step in flight ends on its own). Joined:
+        a thread still inside the device runtime when the interpreter exits aborts the process."""
         self._waits.put(None)
+        self._thread.join(timeout)
 
     def _run(self) -> None:
         while (wait := self._waits.get()) is not None:

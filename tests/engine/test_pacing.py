@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import threading
 import time
 
 import pytest
@@ -217,3 +218,21 @@ async def test_the_loop_sleeps_through_a_step_when_it_can_be_woken_at_its_end(
         assert per_step <= 5
     else:
         assert per_step >= 10
+
+
+async def test_shutdown_waits_for_the_watcher_to_leave_the_device_wait(tiny_llama_gqa):
+    """A watcher thread still inside the device runtime when the interpreter exits aborts the
+    process (a server stopped by SIGINT exited with SIGABRT): shutdown ends it first."""
+    engine = _timed_engine(tiny_llama_gqa[0], WatchedRunner)
+    server = AsyncLLMEngine(engine)
+    server.start()
+    stream = server.generate(
+        {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=50, ignore_eos=True), "r"
+    )
+    for _ in range(3):
+        await anext(stream)
+    assert any(t.name == "jaxserve-step-watcher" for t in threading.enumerate())
+    server.shutdown()  # with a step in flight
+    assert not any(t.name == "jaxserve-step-watcher" for t in threading.enumerate())
+    assert engine.runner.free_at <= time.perf_counter()
+    await stream.aclose()
