@@ -1,4 +1,4 @@
-"""The device side: owns the parameters, the KV pool and the compiled steps.
+"""The device side: owns the parameters, the KV pool, the processor slots and the compiled steps.
 
 The model is split once into (graphdef, state); one pure step function (forward over a
 ragged batch, logits at sampled rows, sampling) is compiled ahead of time for every
@@ -35,7 +35,6 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineConfig, jaxserve_cache_dir
 from jaxserve.layers.attention import pool_head_dim
 from jaxserve.layers.linear import KV_PROJECTIONS, LORA_SUFFIXES, lora_a_members, lora_group
-from jaxserve.layers.sampler import ProcessorState
 from jaxserve.loader.model_loader import build_model_args, load_model, repeat_kv_heads
 from jaxserve.lora.adapter import AdapterSpec, LoRAAdapter
 from jaxserve.runner import batch as batch_lib
@@ -43,9 +42,10 @@ from jaxserve.runner import kv_scales
 from jaxserve.runner.bucketing import Buckets
 from jaxserve.runner.executable_cache import ExecutableCache
 from jaxserve.runner.kv_cache import KVCacheSpec, abstract_kv_pool, allocate_kv_pool, num_blocks_for
+from jaxserve.runner.processor_slots import ProcessorSlots
 from jaxserve.runner.step import StepResult, StepVariant, forward, sample_step, step
 from jaxserve.runner.step_cache import StepCache
-from jaxserve.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput, SlotInit
+from jaxserve.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from jaxserve.sharding import make_mesh
 from pallas_kernels.ragged_paged_attention.reference import is_quantized
 
@@ -161,7 +161,7 @@ class ModelRunner:
         self.buckets = Buckets.from_config(sc, config.compilation_config)
         self.num_slots = sc.max_num_seqs  # one logit-processing slot per running request at most
         self.num_top_logprobs = self.args.vocab_size if mc.max_logprobs < 0 else max(mc.max_logprobs, 1)
-        self.processor_state: ProcessorState | None = None  # allocated when a request first needs it
+        self.processor_slots = ProcessorSlots(self.num_slots, self.args.vocab_size, self._replicated)
         # Device programs by (part, variant), compiled on first use: the fused step, or forward + sample_step
         self._programs = {}
         k, g = self.num_top_logprobs, self.graphdef
@@ -179,7 +179,6 @@ class ModelRunner:
                 )
         self._bitmasks: dict[int, np.ndarray] = {}  # host mask buffers by sequence bucket
         self._mask_words = (self.args.vocab_size + 31) // 32  # int32 words of one row's mask
-        self._init_slot = jax.jit(_init_slot, donate_argnums=0)
         # The last dispatched step's sampled tokens, padded to the largest sequence bucket: what a
         # step fed a token the host does not have yet reads it from.
         self._last_tokens = jax.device_put(np.zeros(self.buckets.seqs[-1], np.int32), self._replicated)
@@ -231,7 +230,7 @@ class ModelRunner:
         compiled = self._compiled.get((bucket, variant))
         if compiled is None:
             inputs = _abstract(batch_lib.PackedBatch.pack(self._dummy_inputs(*bucket)), self._replicated)
-            processors = _abstract(self._processor_state()) if variant.with_processor_state else None
+            processors = _abstract(self.processor_slots.current()) if variant.with_processor_state else None
             last = self._abstract_last_tokens
             if not variant.with_token_bitmask:
                 compiled = self._build(
@@ -281,35 +280,6 @@ class ModelRunner:
         # layers that split work by hand (MoE experts) read the mesh
         with jax.set_mesh(self.mesh):
             return self._programs[part, variant].lower(*args).compile()
-
-    def _processor_state(self) -> ProcessorState:
-        if self.processor_state is None:
-            shape = (self.num_slots, self.args.vocab_size)
-            zeros = jax.jit(
-                lambda: ProcessorState(
-                    jnp.zeros(shape, bool), jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
-                ),
-                out_shardings=self._replicated,
-            )
-            self.processor_state = zeros()
-        return self.processor_state
-
-    def _fill_slot(self, init: SlotInit) -> None:
-        """Write a request's bias row and token history into its slot (one transfer of
-        three vocabulary-sized rows per admitted request, never per step)."""
-        vocab = self.args.vocab_size
-        mask = np.zeros(vocab, bool)
-        mask[list(init.prompt_token_ids)] = True
-        counts = np.bincount(np.asarray(init.output_token_ids, np.int64), minlength=vocab).astype(np.int32)
-        bias = np.zeros(vocab, np.float32)
-        if init.spec.allowed_token_ids is not None:
-            bias[:] = -np.inf
-            bias[list(init.spec.allowed_token_ids)] = 0.0
-        for token, value in init.spec.bias:
-            bias[token] += value
-        self.processor_state = self._init_slot(
-            self._processor_state(), np.int32(init.slot), mask, counts[:vocab], bias
-        )
 
     def precompile(self) -> None:
         """Compile the buckets a first request needs now and the rest in a background thread
@@ -386,7 +356,7 @@ class ModelRunner:
         if self.channel is not None:
             self.channel.publish("reset_kv_pool")
         self.kv_pool = allocate_kv_pool(self.kv_spec, self.num_blocks, self.mesh)
-        self.processor_state = None
+        self.processor_slots.state = None
 
     def calibrate_kv_scales(self, token_ids: Sequence[int]) -> None:
         """Set a quantized pool's scales from the keys and values the model writes over
@@ -514,9 +484,9 @@ class ModelRunner:
         inputs = self._prepare(sched, bucket)
         for s in sched.seqs:
             if s.slot_init is not None:
-                self._fill_slot(s.slot_init)
+                self.processor_slots.fill(s.slot_init)
         compiled = self._compile(bucket, variant)
-        processors = self.processor_state if variant.with_processor_state else None
+        processors = self.processor_slots.state if variant.with_processor_state else None
         packed = batch_lib.PackedBatch.pack(inputs)
         # The compiled call transfers a host argument itself, in C++: ~0.3 ms a step less than
         # device_put's Python path. Put it first when two programs read it (or several processes
@@ -537,7 +507,7 @@ class ModelRunner:
                 self.state, self.kv_pool, processors, last, packed
             )
         if variant.with_processor_state:
-            self.processor_state = processors
+            self.processor_slots.state = processors
         return DispatchedStep(sched, inputs, result)
 
     @staticmethod
@@ -600,11 +570,3 @@ class DispatchedStep(NamedTuple):
     sched: SchedulerOutput
     inputs: batch_lib.BatchInputs  # the host's copy of its inputs
     result: StepResult  # device arrays, ready when the step is done
-
-
-def _init_slot(state: ProcessorState, slot, mask, counts, bias) -> ProcessorState:
-    return ProcessorState(
-        state.prompt_mask.at[slot].set(mask),
-        state.output_counts.at[slot].set(counts),
-        state.bias.at[slot].set(bias),
-    )
