@@ -355,6 +355,7 @@ class AsyncLLMEngine:
         finally:
             if self._stopping:
                 engine.abort_all()
+                engine.settle()  # asynchronous scheduling leaves the step after the last in flight
 
     def _publish(
         self, replica: _Replica, outputs: list[RequestOutput], stats: tuple[SchedulerStats, IterationStats]

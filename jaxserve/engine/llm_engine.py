@@ -188,6 +188,13 @@ class LLMEngine:
     def abort_all(self) -> None:
         self.abort_request(list(self.output_processor.parents))
 
+    def settle(self) -> None:
+        """Collect the step still in flight, if any, and drop what it made: how a stopping engine
+        (its requests aborted) leaves nothing on the device nor in its own state."""
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            self._finish(in_flight, self._between_steps)
+
     def seconds_until_next_step(self) -> float:
         """How long the server's loop may wait for more requests before planning the next step
         (asynchronous scheduling: until shortly before the step in flight is expected to end); 0:

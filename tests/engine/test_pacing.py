@@ -234,5 +234,6 @@ async def test_shutdown_waits_for_the_watcher_to_leave_the_device_wait(tiny_llam
     assert any(t.name == "jaxserve-step-watcher" for t in threading.enumerate())
     server.shutdown()  # with a step in flight
     assert not any(t.name == "jaxserve-step-watcher" for t in threading.enumerate())
+    assert not engine.has_unfinished_requests()  # the aborted request and the step in flight are gone
     assert engine.runner.free_at <= time.perf_counter()
     await stream.aclose()
