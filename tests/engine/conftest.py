@@ -17,27 +17,17 @@ token from its own previous answer, as the device does.
 from __future__ import annotations
 
 import itertools
-import zlib
 from collections.abc import Callable
 
 import numpy as np
 import pytest
+from fake_tokens import EOS, context_token
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler_output import PLACEHOLDER_TOKEN, ModelRunnerOutput, SchedulerOutput
-
-EOS = 1
-# Fake sampled tokens lie in [FIRST_FAKE_TOKEN, FIRST_FAKE_TOKEN + NUM_FAKE_TOKENS), away
-# from EOS and from the stop token ids the tests choose.
-FIRST_FAKE_TOKEN = 100
-NUM_FAKE_TOKENS = 50
-
-
-def context_token(context: list[int]) -> int:
-    return FIRST_FAKE_TOKEN + zlib.crc32(np.asarray(context, np.int64).tobytes()) % NUM_FAKE_TOKENS
 
 
 class FakeModel:

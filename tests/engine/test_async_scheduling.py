@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import EOS, context_token
+from fake_tokens import EOS, context_token
 
 from jaxserve.engine.request import RequestStatus
 from jaxserve.scheduler_output import PLACEHOLDER_TOKEN

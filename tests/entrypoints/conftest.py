@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 from aiohttp import ClientSession
 from aiohttp.test_utils import TestServer
+from server_inputs import MAX_TOKENS, MODEL, PROMPTS
 from tiny_models import engine_kwargs
 
 from jaxserve.args import EngineArgs
@@ -18,12 +19,6 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints.openai.api_server import HANDLER_SETTINGS, build_app
 from jaxserve.entrypoints.openai.server_args import ServerArgs
 from jaxserve.sampling_params import SamplingParams
-
-MODEL = "tiny"
-MAX_TOKENS = 12
-_WORDS = "The quick brown fox jumps over the lazy dog Paris is capital of France JAX compiles".split()
-# 32 distinct prompts of different lengths.
-PROMPTS = [" ".join(_WORDS[i % 7 : i % 7 + 2 + i % 9]) + f" {i}" for i in range(32)]
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import re
 import time
 
 import aiohttp
-from conftest import MAX_TOKENS, PROMPTS
+from server_inputs import MAX_TOKENS, PROMPTS
 
 from jaxserve.entrypoints.openai.api_server import MAX_HEADER_LINE_BYTES
 

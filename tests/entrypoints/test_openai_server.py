@@ -7,7 +7,7 @@ import asyncio
 import json
 
 import pytest
-from conftest import MAX_TOKENS, MODEL, PROMPTS
+from server_inputs import MAX_TOKENS, MODEL, PROMPTS
 
 GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS}
 

@@ -5,7 +5,7 @@ extras (echo with logprobs, prompt_logprobs, --return-tokens-as-token-ids)."""
 from __future__ import annotations
 
 import pytest
-from conftest import MAX_TOKENS, MODEL, PROMPTS
+from server_inputs import MAX_TOKENS, MODEL, PROMPTS
 
 from jaxserve.entrypoints.openai.logprobs import LogprobFormatter
 from jaxserve.outputs import Logprob

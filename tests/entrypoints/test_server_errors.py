@@ -7,7 +7,7 @@ import asyncio
 import json
 
 import pytest
-from conftest import MAX_TOKENS, MODEL, PROMPTS
+from server_inputs import MAX_TOKENS, MODEL, PROMPTS
 
 from jaxserve.engine.llm_engine import LLMEngine
 

@@ -8,7 +8,7 @@ import ssl
 
 import pytest
 from aiohttp import ClientSession
-from conftest import MODEL
+from server_inputs import MODEL
 
 CHAT = {"messages": [{"role": "user", "content": "Paris is"}], "max_tokens": 3, "temperature": 0}
 

@@ -3,7 +3,7 @@ token counts it reports are the ones the server generated."""
 
 from __future__ import annotations
 
-from conftest import MODEL
+from server_inputs import MODEL
 
 from jaxserve.benchmarks.client import Target, fetch_model_id
 from jaxserve.benchmarks.dataset import sample_random_requests

@@ -11,8 +11,8 @@ from typing import Literal
 import jsonschema
 import openai
 import pytest
-from conftest import MODEL
 from pydantic import BaseModel, Field
+from server_inputs import MODEL
 
 from jaxserve.entrypoints.openai.chat_reply import ChatReply
 from jaxserve.entrypoints.openai.tool_parsers import get_tool_parser
