@@ -188,12 +188,11 @@ class LLMEngine:
     def abort_all(self) -> None:
         self.abort_request(list(self.output_processor.parents))
 
-    def settle(self) -> None:
-        """Collect the step still in flight, if any, and drop what it made: how a stopping engine
-        (its requests aborted) leaves nothing on the device nor in its own state."""
-        if self._in_flight is not None:
-            in_flight, self._in_flight = self._in_flight, None
-            self._finish(in_flight, self._between_steps)
+    def settle(self) -> list[RequestOutput]:
+        """Collect the step still in flight, if any (counted with the next step): its outputs. How
+        a stopping engine (its requests aborted) leaves nothing on the device nor in its state."""
+        in_flight, self._in_flight = self._in_flight, None
+        return [] if in_flight is None else self._finish(in_flight, self._between_steps)
 
     def seconds_until_next_step(self) -> float:
         """How long the server's loop may wait for more requests before planning the next step
@@ -247,11 +246,9 @@ class LLMEngine:
 
     def _finish_blocking_step(self) -> list[RequestOutput]:
         """Finish the step in flight now if the next one cannot be planned without its tokens."""
-        in_flight = self._in_flight
-        if in_flight is None or not self.scheduler.needs_tokens_before_next(in_flight[0]):
+        if self._in_flight is None or not self.scheduler.needs_tokens_before_next(self._in_flight[0]):
             return []
-        self._in_flight = None
-        return self._finish(in_flight, self._between_steps)  # counted with the step about to start
+        return self.settle()
 
     def _dispatch(self, sched: SchedulerOutput, outputs: list[RequestOutput], started: float) -> tuple | None:
         """Start a step on the device: (the step, the runner's handle), or None when there is
