@@ -8,10 +8,13 @@ a margin. Requests that arrive until then join N+1.
 
 The expectation comes from the steps themselves: a step that the host had to wait for ended when
 that wait returned, and it started when it was dispatched or, queued behind the step before, when
-that one ended: the difference is its time on the device. Durations are kept per step size (tokens, rounded up to
-a power of two), the smallest recent one counting, so that a wrong guess errs towards planning
-early (the old behaviour) rather than leaving the device idle. A step size never measured, or a
-step whose end was not observed, is not waited for.
+that one ended: the difference is its time on the device. Durations are kept per step size (tokens,
+rounded up to a power of two), the smallest recent one counting, so that a wrong guess errs towards
+planning early (the old behaviour) rather than leaving the device idle. A step size never measured
+is not waited for. A step found ended when the host came for it ended at some unseen time: the one
+queued behind it started no earlier than its own dispatch and no later than that moment, and is
+planned from the earlier bound (a loop that came late to plan a step, say on a loaded host, keeps
+planning the next one late instead of a whole step ahead).
 
 A guess that is too long (a step measured while another process held the cores) must not last:
 a StepWatcher thread waits on the device for the step in flight and wakes the loop when it ends,
@@ -46,8 +49,8 @@ class StepPacer:
         self.host_factor = host_factor  # the host's planning time counts this many times
         self._durations: dict[int, list[float]] = {}  # size class -> recent device times (s)
         self._host_s = 0.0  # recent planning + dispatch time of one step (s)
-        # steps dispatched and not collected, oldest first: [size class, when it started on the
-        # device (None: not known yet, or not knowable), when it was dispatched]
+        # steps dispatched and not collected, oldest first: [size class, earliest and latest time
+        # it may have started on the device (None: not known yet), when it was dispatched]
         self._queue: deque[list] = deque()
 
     def dispatched(self, num_tokens: int, planning_started: float, now: float | None = None) -> None:
@@ -56,7 +59,8 @@ class StepPacer:
         host = now - planning_started
         self._host_s = host if not self._host_s else 0.8 * self._host_s + 0.2 * host
         # with nothing ahead of it the device starts it now; else when the one ahead ends
-        self._queue.append([size_class(num_tokens), None if self._queue else now, now])
+        started = None if self._queue else now
+        self._queue.append([size_class(num_tokens), started, started, now])
 
     def collected(self, waited: bool, now: float | None = None) -> None:
         """The oldest step's results are back. waited: it was still running when the host came for
@@ -64,20 +68,21 @@ class StepPacer:
         if not self._queue:  # (forgotten after a failed step)
             return
         now = time.perf_counter() if now is None else now
-        size, started, _ = self._queue.popleft()
+        size, earliest, latest, _ = self._queue.popleft()
         recent = self._durations.setdefault(size, [])
-        if not waited:  # it ended at some unknown time before now: it took at most now - started
-            if started is not None and recent and now - started < min(recent):
-                recent.append(now - started)
-                del recent[:-4]
-            if self._queue:
-                self._queue[0][1] = None
-            return
-        if started is not None:
-            recent.append(now - started)
-            del recent[:-4]
-        if self._queue:  # the next one ran from now, or from its dispatch if that was later
-            self._queue[0][1] = max(now, self._queue[0][2])
+        if waited:  # it ended now: the next one ran from now, or from its dispatch if that was later
+            ended_from, ended_by = now, now
+            if latest is not None and latest - earliest <= self.margin_s:  # its start is known
+                recent.append(now - latest)
+        else:  # it ended at some unseen time before now: it took at most now - earliest
+            ended_from, ended_by = None, now
+            if earliest is not None and recent and now - earliest < min(recent):
+                recent.append(now - earliest)
+        del recent[:-4]
+        if self._queue:
+            following = self._queue[0]
+            following[1] = following[3] if ended_from is None else max(ended_from, following[3])
+            following[2] = max(ended_by, following[3])
 
     def forget(self) -> None:
         """The steps in flight are gone (a failed step)."""
@@ -85,14 +90,15 @@ class StepPacer:
 
     def plan_at(self) -> float | None:
         """When (time.perf_counter) to plan the next step, which will queue behind the last one
-        dispatched: shortly before that one is expected to end. None: now."""
+        dispatched: shortly before that one is expected to end, reckoned from the earliest it may
+        have started. None: now."""
         if not self._queue:
             return None
-        size, started, _ = self._queue[-1]
+        size, earliest, _, _ = self._queue[-1]
         recent = self._durations.get(size)
-        if started is None or not recent:
+        if earliest is None or not recent:
             return None
-        return started + min(recent) - self.host_factor * self._host_s - self.margin_s
+        return earliest + min(recent) - self.host_factor * self._host_s - self.margin_s
 
 
 class StepWatcher:

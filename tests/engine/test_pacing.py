@@ -65,12 +65,23 @@ def test_only_the_last_four_steps_of_a_size_count_and_sizes_are_apart():
     assert pacer.plan_at() is None
 
 
-def test_a_step_whose_end_was_not_seen_is_not_waited_for():
+def test_a_step_queued_behind_one_whose_end_was_not_seen_is_planned_from_its_dispatch():
     pacer = StepPacer(margin_s=0.0, host_factor=0.0)
     end = _back_to_back(pacer, [3.0, 3.0, 3.0])
     pacer.dispatched(8, end - 1.0, end - 1.0)
     pacer.collected(waited=False, now=end + 0.5)  # done before the host came: it ended unseen
-    assert pacer.plan_at() is None  # so when the one queued behind it started is unknown
+    # so the one queued behind it started between its dispatch and now: planned from the earlier
+    assert pacer.plan_at() == pytest.approx(end - 1.0 + 3.0)
+    pacer.collected(waited=True, now=end + 3.0)
+    assert pacer._durations[8] == [3.0, 3.0]  # when it started is not known well enough to count
+    # a loop that came to plan late, after the step in flight had ended: the next one started
+    # when it was dispatched, which the host knows to within the moments before it looked
+    pacer.dispatched(8, end + 3.1, end + 3.1)
+    pacer.dispatched(8, end + 6.2, end + 6.2)
+    pacer.collected(waited=False, now=end + 6.2)
+    assert pacer.plan_at() == pytest.approx(end + 9.2)
+    pacer.collected(waited=True, now=end + 9.3)
+    assert pacer._durations[8] == [3.0, 3.0, pytest.approx(3.1)]
     pacer.forget()
     pacer.collected(waited=True)  # (after a failed step: nothing left to collect)
     assert pacer.plan_at() is None
@@ -135,37 +146,87 @@ def _timed_engine(model: str, runner_class: type[TimedRunner]) -> LLMEngine:
     return LLMEngine(config, runner=runner)
 
 
+def _running(timeline: list, now: float) -> tuple[float, float, tuple[str, ...]] | None:
+    return next((step for step in reversed(timeline) if step[0] <= now < step[1]), None)
+
+
+async def _arrive_inside_a_step(
+    server: AsyncLLMEngine, runner: TimedRunner, long, wake_late: threading.Event | None
+) -> tuple[str, float]:
+    """Queue a short request a third of the way into a step of `long` (a few steps in, once the
+    pacer has measured them): its id and when it was queued by. wake_late: set during the step
+    before that one, so that the loop comes late to plan it. A machine busy elsewhere can delay
+    this task past the middle of the step, where the next step may rightly be planned already:
+    such a try is let finish and another made on a later step."""
+    for attempt in range(6):
+        for _ in range(3 if attempt else 6):
+            await anext(long)
+        step = _running(runner.timeline, time.perf_counter())
+        if step is None:
+            continue
+        if wake_late is not None:  # the loop wakes late for the step after this one: wait for it
+            ahead = step
+            wake_late.set()
+            while (step := _running(runner.timeline, time.perf_counter())) is None or step[1] <= ahead[1]:
+                await asyncio.sleep(0.001)
+        await asyncio.sleep(max(0.0, step[0] + TimedRunner.STEP / 3 - time.perf_counter()))
+        late = server.generate({"prompt_token_ids": [9, 10]}, SamplingParams(max_tokens=2), f"late{attempt}")
+        first = asyncio.ensure_future(anext(late))
+        await asyncio.sleep(0)  # the task runs until it waits for an output: queued by now
+        arrived = time.perf_counter()
+        await first
+        async for _ in late:
+            pass
+        if arrived < step[0] + TimedRunner.STEP / 2:
+            return f"late{attempt}", arrived
+    raise AssertionError("no request could be queued inside the first half of a step")
+
+
 @RUNNERS
-@pytest.mark.parametrize("paced", [True, False], ids=["paced", "a-step-ahead"])
+@pytest.mark.parametrize(
+    "paced, woken_late",
+    [(True, False), (True, True), (False, False)],
+    ids=["paced", "woken-late", "a-step-ahead"],
+)
 async def test_a_request_arriving_during_a_step_joins_the_next_one(
-    tiny_llama_gqa, paced, runner_class, monkeypatch
+    tiny_llama_gqa, paced, woken_late, runner_class, monkeypatch
 ):
+    """woken_late: the loop's thread, kept busy, came to plan the step that is running only after
+    the one before had ended (the device idled meanwhile); that must not put the next step ahead."""
     engine = _timed_engine(tiny_llama_gqa[0], runner_class)
     runner = engine.runner
     if not paced:
         monkeypatch.setattr(LLMEngine, "seconds_until_next_step", lambda self: 0.0)
+    wake_late = threading.Event() if woken_late else None
+    if woken_late:
+        step = LLMEngine.step
+
+        def late_step(self):
+            if self._in_flight is not None and wake_late.is_set():
+                wake_late.clear()
+                time.sleep(TimedRunner.STEP / 10)
+            return step(self)
+
+        monkeypatch.setattr(LLMEngine, "step", late_step)
     server = AsyncLLMEngine(engine)
     server.start()
     try:
-        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        params = SamplingParams(max_tokens=60, ignore_eos=True)
         long = server.generate({"prompt_token_ids": [5, 6, 7]}, params, "long")
-        for _ in range(6):  # a few decode steps: the pacer has measured their length
-            await anext(long)
-        await asyncio.sleep(TimedRunner.STEP / 3)  # well inside the step that is running now
-        arrived = time.perf_counter()
-        late = server.generate({"prompt_token_ids": [9, 10]}, SamplingParams(max_tokens=2), "late")
-        await anext(late)
-        async for _ in long:
-            pass
+        late, arrived = await _arrive_inside_a_step(server, runner, long, wake_late)
+        await long.aclose()
     finally:
         server.shutdown()
     timeline = runner.timeline
-    first = next(start for start, _, ids in timeline if "late" in ids)
+    first = next(start for start, _, ids in timeline if late in ids)
     between = [start for start, _, _ in timeline if arrived < start < first]
     assert len(between) == (0 if paced else 1)
-    if paced:  # and the device was kept busy: each step was there before the one ahead ended
+    if paced and not woken_late:  # and the device was kept busy: each step there before the one ahead ended
         gaps = [b[0] - a[1] for a, b in zip(timeline, timeline[1:])]
         assert statistics.median(gaps) < TimedRunner.STEP / 5
+    if woken_late:  # (the late wake-up happened: the device idled before the step the request came in)
+        running = _running(timeline, arrived)
+        assert running[0] - max(end for _, end, _ in timeline if end <= running[0]) > TimedRunner.STEP / 20
 
 
 @RUNNERS
