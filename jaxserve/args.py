@@ -247,7 +247,12 @@ class EngineArgs:
     logits_processor_pattern: str | None = arg(
         G.MODEL, None, "Regex of logits-processor import paths requests may name.", tier="B"
     )
-    enable_sleep_mode: bool = arg(G.MODEL, False, "Allow freeing device memory on request.", tier="B")
+    enable_sleep_mode: bool = arg(
+        G.MODEL,
+        False,
+        "Allow LLM.sleep() / wake_up() (and the server's /sleep, /wake_up with VLLM_SERVER_DEV_MODE=1) "
+        "to free the weights and KV cache on the devices and take them back.",
+    )
     allowed_local_media_path: str = arg(G.MODEL, "", "Directory multimodal inputs may read.", tier="C")
     override_neuron_config: dict | None = arg(G.MODEL, None, "Neuron device settings.", tier="C")
     max_context_len_to_capture: int | None = arg(

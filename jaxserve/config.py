@@ -47,6 +47,7 @@ class ModelConfig:
     max_logprobs: int = 20
     skip_tokenizer_init: bool = False
     use_tqdm_on_load: bool = True
+    enable_sleep_mode: bool = False  # LLMEngine.sleep / wake_up may free and retake device memory
     # Weight-only quantization of the layers' projections: "int8", "fp8" or None (as stored)
     quantization: str | None = None
     # The method of a checkpoint quantized by another tool ("fp8", "compressed-tensors"), served

@@ -72,6 +72,8 @@ class LLM:
         if len(loras) != len(prompts):
             raise ValueError(f"Got {len(loras)} lora_requests for {len(prompts)} prompts.")
         engine = self.llm_engine
+        if engine.is_sleeping:
+            raise RuntimeError("The engine is asleep (LLM.sleep); call LLM.wake_up() before generating.")
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
@@ -84,6 +86,21 @@ class LLM:
             engine.abort_request(ids)
             raise
         return self._run_engine(ids, use_tqdm)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the weights and KV cache on the devices (needs enable_sleep_mode=True), for
+        another user of the accelerator; wake_up() takes them back. Level 1 keeps the weights in
+        host memory; level 2 does not (waking reads the checkpoint again). The prefix cache is
+        emptied."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Take back what sleep() freed: everything, or the parts named ("weights", "kv_cache")."""
+        self.llm_engine.wake_up(tags)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes; False if requests are running (nothing is reset then)."""
+        return self.llm_engine.reset_prefix_cache()
 
     def beam_search(
         self,

@@ -191,6 +191,7 @@ def model_config_from_args(args) -> ModelConfig:
         max_logprobs=args.max_logprobs,
         skip_tokenizer_init=args.skip_tokenizer_init,
         use_tqdm_on_load=args.use_tqdm_on_load,
+        enable_sleep_mode=args.enable_sleep_mode,
         quantization=quantization,
         checkpoint_quantization=checkpoint_quantization,
     )

@@ -94,7 +94,7 @@ FLAGS = [
     ("--model-impl", "A", "auto", "vllm", "vllm"),
     ("--task", "A", "auto", "generate", "generate"),
     ("--logits-processor-pattern", "B", None, "my_module.*", "my_module.*"),
-    ("--enable-sleep-mode", "B", False, True, True),
+    ("--enable-sleep-mode", "A", False, True, True),
     # ---- CacheConfig
     ("--block-size", "A", None, "32", 32),
     ("--gpu-memory-utilization", "A", 0.9, "0.5", 0.5),

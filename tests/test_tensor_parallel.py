@@ -1,7 +1,8 @@
 """Tensor parallelism on 8 fake CPU devices: the same greedy tokens at tp = 1, 2 and 8 (the
 KV heads split, then copied) for a GQA Llama with fewer KV heads than devices, the same with
 int8 weights and an int8 KV cache, and a Mixtral with expert parallelism; and every device
-holding only its own slice of each weight (and of each quantization scale) and of the KV pool.
+holding only its own slice of each weight (and of each quantization scale) and of the KV pool,
+before and after a sleep (sleep mode) at either level.
 
 The device count is fixed when JAX starts, so the engines run in one fresh subprocess."""
 
@@ -40,7 +41,8 @@ SCRIPT = textwrap.dedent(
     report = {}
     for tp in (1, 2, 8):
         llm = LLM(path, **engine_kwargs(tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
-                                        quantization=quantization, kv_cache_dtype=kv_cache_dtype))
+                                        quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                                        enable_sleep_mode=True))
         runner = llm.llm_engine.runner
         shards = {}
         for key, var in runner.state.flat_state():
@@ -64,7 +66,19 @@ SCRIPT = textwrap.dedent(
             SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)),
             use_tqdm=False,
         )
+        after_sleep = []  # each sleep level, then wake_up: the same tokens from the same slices
+        for level in (1, 2) if tp == 8 else ():
+            llm.sleep(level)
+            llm.wake_up()
+            again = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                 SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+            slices = {".".join(map(str, k)): sorted({tuple(s.data.shape) for s in v.value.addressable_shards})
+                      for k, v in runner.state.flat_state()}
+            after_sleep.append({"tokens": [o.outputs[0].token_ids for o in again],
+                                "same_slices": all(list(map(list, slices[k])) == list(map(list, shards[k]["shard_shapes"]))
+                                                   for k in shards)})
         report[tp] = {
+            "after_sleep": after_sleep,
             "tokens": [o.outputs[0].token_ids for o in outs],
             "guided": [o.outputs[0].text for o in guided],
             "weights": shards,
@@ -128,6 +142,8 @@ def test_greedy_tokens_are_the_same_at_every_tensor_parallel_size(tp_runs):
     for tp in (2, 8, "orbax_tp8"):
         if tp in runs:
             assert runs[tp]["tokens"] == runs[1]["tokens"], f"tp={tp}"
+    for level, run in zip((1, 2), runs[8]["after_sleep"], strict=True):  # asleep and awake again
+        assert run["tokens"] == runs[1]["tokens"] and run["same_slices"], f"sleep level {level}"
     for tp in (2, 8):  # under a JSON schema too: the mask is applied to replicated logits
         assert runs[tp]["guided"] == runs[1]["guided"], f"tp={tp}"
     for text in runs[1]["guided"]:

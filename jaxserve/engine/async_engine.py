@@ -18,6 +18,7 @@ see the replicas' scheduler stats summed.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -196,6 +197,29 @@ class AsyncLLMEngine:
             raise LookupError("LoRA is not enabled on this server (--enable-lora).")
         self.engine.adapters.get(lora_request)
 
+    # ---- sleep mode (LLMEngine.sleep) ---------------------------------------------------------
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free every replica's weights and KV cache on the devices between two steps; the
+        requests running meanwhile wait, and so do new ones, until wake_up."""
+        self._check_running()
+        await self._on_every_replica(lambda engine: engine.sleep(level))
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self._check_running()
+        await self._on_every_replica(lambda engine: engine.wake_up(tags))
+
+    def is_sleeping(self) -> bool:
+        return any(r.engine.is_sleeping for r in self.replicas)
+
+    async def reset_prefix_cache(self) -> bool:
+        self._check_running()
+        return all(await self._on_every_replica(lambda engine: engine.reset_prefix_cache()))
+
+    def _check_running(self) -> None:
+        if not self.is_running:
+            raise EngineRequestError(f"The engine is not running: {self.dead_error}")
+
     def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """Compile a request's grammar (cached for when the request is made); ValueError naming
         what is wrong with it. Blocking: a server calls it off its event loop."""
@@ -316,8 +340,32 @@ class AsyncLLMEngine:
             if kind == "add":
                 if payload.request_id in self._streams:  # not abandoned while in the inbox
                     replica.engine.enqueue(payload)
-            else:
+            elif kind == "abort":
                 replica.engine.abort_request(payload)
+            else:  # "call": a function of the engine, between steps, and the future it answers
+                self._call(replica, *payload)
+
+    def _call(
+        self, replica: _Replica, fn: Callable[[LLMEngine], object], done: concurrent.futures.Future
+    ) -> None:
+        try:
+            result = fn(replica.engine)
+        except Exception as e:
+            done.set_exception(e)
+            return
+        if isinstance(result, list):  # outputs (of the step sleep() collected): to their streams
+            stats = (replica.engine.scheduler_stats(), IterationStats())
+            self._loop.call_soon_threadsafe(self._publish, replica, result, stats)
+            result = None
+        done.set_result(result)
+
+    async def _on_every_replica(self, fn: Callable[[LLMEngine], object]) -> list:
+        """Run fn(engine) on each replica's thread between two steps; their results."""
+        futures = []
+        for r in self.replicas:
+            futures.append(concurrent.futures.Future())
+            self._post(r.index, ("call", (fn, futures[-1])))
+        return [await asyncio.wrap_future(f) for f in futures]
 
     def _run(self, replica: _Replica) -> None:
         engine = replica.engine
@@ -325,7 +373,7 @@ class AsyncLLMEngine:
         try:
             while not self._stopping and self.dead_error is None:
                 self._drain_inbox(replica)
-                if not engine.has_unfinished_requests():
+                if not engine.has_unfinished_requests() or engine.is_sleeping:
                     pending = engine.flush_stats()
                     if pending is not None:
                         self._loop.call_soon_threadsafe(
@@ -356,6 +404,17 @@ class AsyncLLMEngine:
             if self._stopping:
                 engine.abort_all()
                 engine.settle()  # asynchronous scheduling leaves the step after the last in flight
+            self._refuse_calls(replica)
+
+    def _refuse_calls(self, replica: _Replica) -> None:
+        """Answer the calls left in a stopped thread's inbox (their callers would wait forever)."""
+        while True:
+            try:
+                kind, payload = replica.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "call":
+                payload[1].set_exception(EngineRequestError("The engine is not running."))
 
     def _publish(
         self, replica: _Replica, outputs: list[RequestOutput], stats: tuple[SchedulerStats, IterationStats]

@@ -44,6 +44,7 @@ from jaxserve.lora.adapter import AdapterCache
 from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.runner import kv_scales
+from jaxserve.runner.sleep import TAGS as SLEEP_TAGS
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler_output import SchedulerOutput
 from jaxserve.structured_output import bitmask_filler
@@ -107,6 +108,7 @@ class LLMEngine:
         self._in_flight = None  # (SchedulerOutput, the runner's handle): dispatched, not collected
         self.pacer = StepPacer()  # when the server's loop plans the next step (asynchronous scheduling)
         self._counter = itertools.count()
+        self._released: tuple[str, ...] = ()  # what sleep() freed and wake_up() has not taken back
 
     @classmethod
     def from_engine_args(cls, engine_args) -> LLMEngine:
@@ -194,6 +196,57 @@ class LLMEngine:
         in_flight, self._in_flight = self._in_flight, None
         return [] if in_flight is None else self._finish(in_flight, self._between_steps)
 
+    # ---- sleep mode -----------------------------------------------------------------------
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Asleep: something is off the devices, and no step runs until it is back."""
+        return bool(self._released)
+
+    def sleep(self, level: int = 1) -> list[RequestOutput]:
+        """Free the weights and the KV cache on the devices (enable_sleep_mode). Level 1 keeps
+        the weights in host memory; level 2 does not, and waking reads the checkpoint again.
+        Requests running now are preempted (they recompute once awake) and new ones wait; the
+        prefix cache is emptied. Returns the outputs of the step that was in flight."""
+        if not self.config.model_config.enable_sleep_mode:
+            raise ValueError("Sleep mode is not enabled: start the engine with --enable-sleep-mode.")
+        if level not in (1, 2):
+            raise ValueError(f"The sleep level must be 1 or 2, got {level!r}.")
+        outputs = self.settle()
+        self.scheduler.drop_all_kv()
+        start = time.perf_counter()
+        freed = self.runner.sleep(level)
+        self._released = tuple(self.runner.released)
+        logger.info(
+            "Asleep (level %d): freed %.2f GiB of device memory in %.2f s",
+            level,
+            freed / 2**30,
+            time.perf_counter() - start,
+        )
+        return outputs
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Take back what sleep() freed: all of it, or the parts `tags` names ("weights",
+        "kv_cache"); steps run again once nothing is missing."""
+        tags = SLEEP_TAGS if tags is None else tuple(tags)
+        unknown = sorted(set(tags) - set(SLEEP_TAGS))
+        if unknown:
+            raise ValueError(f"Unknown wake_up tags {unknown}; known: {list(SLEEP_TAGS)}.")
+        start = time.perf_counter()
+        self.runner.wake_up(tags)
+        self._released = tuple(self.runner.released)
+        logger.info(
+            "Woke %s in %.2f s%s",
+            " and ".join(t for t in SLEEP_TAGS if t in tags),
+            time.perf_counter() - start,
+            f"; still asleep: {', '.join(self._released)}" if self._released else "",
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (their pages are reused as free ones); False when pages
+        are in use by running requests, and nothing was reset."""
+        return self.scheduler.reset_prefix_cache()
+
     def seconds_until_next_step(self) -> float:
         """How long the server's loop may wait for more requests before planning the next step
         (asynchronous scheduling: until shortly before the step in flight is expected to end); 0:
@@ -232,6 +285,8 @@ class LLMEngine:
 
         Synchronous: schedule, run and finish one step. Asynchronous: schedule and dispatch the
         next step, then finish the one in flight (first, if the new step needs its tokens)."""
+        if self._released:  # asleep: requests wait for wake_up
+            return []
         started = time.perf_counter()
         outputs = self._finish_blocking_step()
         sched = self.scheduler.schedule(max_tokens=self.runner.ready_token_budget)

@@ -39,6 +39,7 @@ from jaxserve.loader.model_loader import build_model_args, load_model, repeat_kv
 from jaxserve.lora.adapter import AdapterSpec, LoRAAdapter
 from jaxserve.runner import batch as batch_lib
 from jaxserve.runner import kv_scales
+from jaxserve.runner import sleep as sleep_mode
 from jaxserve.runner.bucketing import Buckets
 from jaxserve.runner.executable_cache import ExecutableCache
 from jaxserve.runner.kv_cache import KVCacheSpec, abstract_kv_pool, allocate_kv_pool, num_blocks_for
@@ -196,6 +197,7 @@ class ModelRunner:
         # Several processes (jax.distributed): process 0 publishes every call the others must
         # replay (jaxserve/distributed.py); they run the same programs on their own devices.
         self.channel = None
+        self._off_device: sleep_mode.OffDevice | None = None  # the weights, while asleep
         if jax.process_count() > 1 and jax.process_index() == 0:
             from jaxserve.distributed import StepChannel
 
@@ -355,8 +357,47 @@ class ModelRunner:
         processor slots (the scheduler refills those as requests resume)."""
         if self.channel is not None:
             self.channel.publish("reset_kv_pool")
+        self._new_kv_pool()
+
+    def _new_kv_pool(self) -> None:
         self.kv_pool = allocate_kv_pool(self.kv_spec, self.num_blocks, self.mesh)
         self.processor_slots.state = None
+
+    # ---- sleep mode (runner/sleep.py) --------------------------------------------------------
+
+    @property
+    def released(self) -> tuple[str, ...]:
+        """What sleep() let go of that wake_up() has not taken back: "weights", "kv_cache"."""
+        gone = {"weights": self._off_device is not None, "kv_cache": self.kv_pool.is_deleted()}
+        return tuple(tag for tag in sleep_mode.TAGS if gone[tag])
+
+    def sleep(self, level: int) -> int:
+        """Free the weights (level 1: kept in host memory) and the KV pool on the devices; the
+        bytes freed on this process's devices."""
+        if self.channel is not None:
+            self.channel.publish("sleep", level)
+        freed = 0
+        if self._off_device is None:
+            freed += sleep_mode.device_bytes(self.state)
+            self._off_device = sleep_mode.OffDevice(self.state, level, self._lora_keys)
+        else:
+            self._off_device.deepen(level)
+        if not self.kv_pool.is_deleted():
+            freed += sum(s.data.nbytes for s in self.kv_pool.addressable_shards)
+            self.kv_pool.delete()
+        return freed
+
+    def wake_up(self, tags: Sequence[str] = sleep_mode.TAGS) -> None:
+        """Take back what sleep() freed, of `tags`: the weights as they were, an empty KV pool."""
+        if self.channel is not None:
+            self.channel.publish("wake_up", tuple(tags))
+        if "weights" in tags and self._off_device is not None:
+            c = self.config
+            reload = partial(load_model, c.model_config, self.mesh, c.parallel_config, c.lora_config)
+            self.state = self._off_device.restore(self.state, lambda: reload()[1])
+            self._off_device = None
+        if "kv_cache" in tags and self.kv_pool.is_deleted():
+            self._new_kv_pool()
 
     def calibrate_kv_scales(self, token_ids: Sequence[int]) -> None:
         """Set a quantized pool's scales from the keys and values the model writes over

@@ -55,6 +55,7 @@ def _start(model: str, log_path, *flags: str, devices: int = 1):
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "VLLM_SERVER_DEV_MODE": "1",  # /sleep and /wake_up (with --enable-sleep-mode)
     }
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     return proc, f"http://127.0.0.1:{port}/", log
@@ -183,12 +184,23 @@ async def _served_texts(url: str, prompts: list[list[int]]) -> list[str]:
         return list(await asyncio.gather(*(one(session, i, p) for i, p in enumerate(prompts))))
 
 
+async def _sleep_and_wake(url: str, level: int) -> None:
+    async with aiohttp.ClientSession() as session:
+        for path in (f"sleep?level={level}", "wake_up"):
+            async with session.post(url + path) as r:
+                assert r.status == 200, await r.text()
+
+
 async def test_two_replicas_of_two_devices_answer_like_one_engine(tiny_llama_gqa, tmp_path):
     prompts = [[5 + i, 17, 300, 42 + i, 9] * (1 + i % 3) for i in range(8)]
     single = _offline_texts(tiny_llama_gqa[0], prompts)
-    proc, url, log = _start(tiny_llama_gqa[0], tmp_path / "dp.log", "-dp", "2", "-tp", "2", devices=4)
+    proc, url, log = _start(
+        tiny_llama_gqa[0], tmp_path / "dp.log", "-dp", "2", "-tp", "2", "--enable-sleep-mode", devices=4
+    )
     try:
         await _wait_healthy(proc, url, log)
+        assert await _served_texts(url, prompts) == single
+        await _sleep_and_wake(url, 2)  # every replica sleeps, reads its weights again, wakes
         assert await _served_texts(url, prompts) == single
         log.seek(0)
         started = log.read()
@@ -215,7 +227,7 @@ def _multihost(model, tmp_path, processes=(0, 1), num_processes=2, timeout="60")
     for rank in processes:
         flags = ("-tp", "8", "--distributed-executor-backend", "jax", "--data-parallel-address", "127.0.0.1",
                  "--data-parallel-rpc-port", port, "--num-processes", str(num_processes),
-                 "--process-id", str(rank), "--distributed-timeout", timeout,
+                 "--process-id", str(rank), "--distributed-timeout", timeout, "--enable-sleep-mode",
                  "--compilation-config", '{"cache_dir": ""}')  # fmt: skip
         started[rank] = _start(model, tmp_path / f"p{rank}.log", *flags, devices=4)
     return started
@@ -228,6 +240,8 @@ async def test_two_processes_serve_one_model_like_one_process(tp_llama, tmp_path
     (p0, url, log0), (p1, _, _) = started[0], started[1]
     try:
         await _wait_healthy(p0, url, log0)
+        assert await _served_texts(url, prompts) == single
+        await _sleep_and_wake(url, 1)  # each process frees and restores its own shards
         assert await _served_texts(url, prompts) == single
 
         # the second process dies: the first says so and exits, instead of hanging

@@ -214,6 +214,11 @@ class _Routes:
             r.add_post(prefix + "/v1/unload_lora_adapter", self.unload_lora_adapter)
         if not self.args.disable_fastapi_docs:
             r.add_get(prefix + "/openapi.json", self.openapi)
+        if os.environ.get("VLLM_SERVER_DEV_MODE", "").lower() in ("1", "true"):  # as in vLLM
+            r.add_post(prefix + "/sleep", self.sleep)
+            r.add_post(prefix + "/wake_up", self.wake_up)
+            r.add_get(prefix + "/is_sleeping", self.is_sleeping)
+            r.add_post(prefix + "/reset_prefix_cache", self.reset_prefix_cache)
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.engine.is_running:
@@ -284,6 +289,28 @@ class _Routes:
         except KeyError:
             return error_response(f"The lora adapter '{name}' cannot be found.", 404)
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        """POST /sleep?level=1|2: free the weights and KV cache on the devices (--enable-sleep-mode);
+        requests wait meanwhile, and those running resume after /wake_up."""
+        level = request.query.get("level", "1")
+        if not level.isdigit():
+            raise ValueError(f"level must be 1 or 2, got {level!r}.")
+        await self.engine.sleep(int(level))
+        return web.Response(status=200)
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        """POST /wake_up[?tags=weights&tags=kv_cache]: take back what /sleep freed."""
+        await self.engine.wake_up(request.query.getall("tags", None))
+        return web.Response(status=200)
+
+    async def is_sleeping(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": self.engine.is_sleeping()})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        if not await self.engine.reset_prefix_cache():
+            return error_response("The prefix cache cannot be reset while requests are running.", 409)
+        return web.Response(status=200)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.completion.create(await _parse(request, CompletionRequest), request)
