@@ -27,7 +27,7 @@ FLAGS = [
     ("--ssl-cert-reqs", "A", 0, "2", 2),
     ("--enable-ssl-refresh", "A", False, True, True),
     ("--root-path", "A", None, "/api", "/api"),
-    ("--middleware", "B", [], "my.middleware", ["my.middleware"]),
+    ("--middleware", "A", [], "json.dumps", ["json.dumps"]),
     ("--return-tokens-as-token-ids", "A", False, True, True),
     ("--enable-request-id-headers", "A", False, True, True),
     ("--enable-prompt-tokens-details", "A", False, True, True),
@@ -217,6 +217,7 @@ ACCEPTED_B = {
 
 # Tier-A rows whose value needs files or devices to start: checked by dedicated tests.
 NEEDS_SETUP = {
+    "--middleware",  # an importable middleware
     "--lora-modules",  # adapter directories, and --enable-lora
     "--quantization-param-path",  # a file
     "--enable-auto-tool-choice",  # needs --tool-call-parser

@@ -43,6 +43,7 @@ from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxserve.entrypoints.openai.serving_engine import ModelNotFound
 from jaxserve.entrypoints.openai.tls import ssl_context, ssl_refresher
+from jaxserve.entrypoints.openai.user_middleware import load_middleware
 from jaxserve.lora.modules import LoRAModules, parse_lora_modules
 from jaxserve.metrics import EngineMetrics, StatsLogger
 
@@ -350,6 +351,7 @@ def build_app(
     middlewares = [_cors_middleware(args)]
     if args.api_key:
         middlewares.append(_auth_middleware(args.api_key, args.root_path or ""))
+    middlewares += [load_middleware(path) for path in args.middleware]  # see user_middleware.py
     middlewares.append(_errors)
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     mc, sc = engine.config.model_config, engine.config.scheduler_config

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 
 from jaxserve.entrypoints.openai.tool_parsers import get_tool_parser, import_tool_parser_plugin
+from jaxserve.entrypoints.openai.user_middleware import load_middleware
 from jaxserve.flags import G, arg, check_flag_values, flag_name
 
 logger = logging.getLogger(__name__)
@@ -73,14 +74,13 @@ class ServerArgs:
     enable_server_load_tracking: bool = arg(_F, False, "Track in-flight requests (server_load_metrics).")
     disable_log_requests: bool = arg(_F, False, "Do not log each request.")
     disable_log_stats: bool = arg(_F, False, "Do not log engine statistics.")
-    # Not served yet: refused unless left at vLLM's default.
     middleware: list[str] = arg(
         _F,
-        help="aiohttp middleware import path; repeat for several.",
-        tier="B",
+        help="Import path of an aiohttp middleware, an async function (request, handler); repeat for several.",
         factory=list,
         action="append",
     )
+    # Not served yet: refused unless left at vLLM's default.
     api_server_count: int = arg(_F, 1, "HTTP server processes.", tier="B")
     headless: bool = arg(_F, False, "Run the engine without an HTTP server.", tier="B")
     lora_modules: list[str] | None = arg(
@@ -131,6 +131,8 @@ def validate_server_args(args: ServerArgs) -> None:
         raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}.")
     if args.tool_parser_plugin:
         import_tool_parser_plugin(args.tool_parser_plugin)
+    for path in args.middleware:
+        load_middleware(path)
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser.")
     if args.tool_call_parser:
