@@ -408,7 +408,12 @@ class EngineArgs:
     # ---- SchedulerConfig, continued
     max_num_partial_prefills: int = arg(G.SCHED, 1, "Concurrent partial prefills.", tier="B")
     max_long_partial_prefills: int = arg(G.SCHED, 1, "Concurrent long partial prefills.", tier="B")
-    scheduler_delay_factor: float = arg(G.SCHED, 0.0, "Wait before scheduling the next prompt.", tier="B")
+    scheduler_delay_factor: float = arg(
+        G.SCHED,
+        0.0,
+        "New prompts wait until the oldest has waited this many times the last prompt step's length "
+        "(while others run), so that more of them start together.",
+    )
     num_lookahead_slots: int = arg(G.SCHED, 0, "Speculative lookahead slots.", tier="C")
     num_scheduler_steps: int = arg(G.SCHED, 1, "Multi-step scheduling.", tier="C")
     multi_step_stream_outputs: bool = arg(G.SCHED, True, "Stream every multi-step output.", tier="C")
@@ -469,6 +474,8 @@ class EngineArgs:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}.")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0.")
+        if not isinstance(self.scheduler_delay_factor, (int, float)) or self.scheduler_delay_factor < 0:
+            raise ValueError(f"scheduler_delay_factor must be >= 0, got {self.scheduler_delay_factor!r}.")
         self._check_kv_scales()
         self._check_rope()
         self._check_distributed()
@@ -609,6 +616,7 @@ class EngineArgs:
                 policy=self.scheduling_policy,
                 preemption_mode=self.preemption_mode,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                delay_factor=self.scheduler_delay_factor,
                 async_scheduling=self.async_scheduling is not False,
             ),
             parallel_config=ParallelConfig(

@@ -98,6 +98,9 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" or "priority"
     preemption_mode: str = "recompute"
     long_prefill_token_threshold: int = 0
+    # New prompts wait until the oldest waiting one has waited this many times the last prompt
+    # step's length (vLLM's scheduler_delay_factor), so that more of them start together
+    delay_factor: float = 0.0
     # Plan and dispatch step N+1 while the device runs step N (engine/llm_engine.py)
     async_scheduling: bool = True
 

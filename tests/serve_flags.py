@@ -115,7 +115,7 @@ FLAGS = [
     ("--scheduling-policy", "A", "fcfs", "priority", "priority"),
     ("--async-scheduling", "A", None, False, False),  # unset: on
     ("--preemption-mode", "B", "recompute", "swap", "swap"),  # recompute works; swap is tier B
-    ("--scheduler-delay-factor", "B", 0.0, "0.5", 0.5),
+    ("--scheduler-delay-factor", "A", 0.0, "0.5", 0.5),
     ("--num-lookahead-slots", "C", 0, "2", 2),
     ("--num-scheduler-steps", "C", 1, "8", 8),
     ("--multi-step-stream-outputs", "C", True, False, False),

@@ -77,6 +77,10 @@ class Scheduler:
         # request at most, so max_num_seqs of them never run out.
         self._free_slots = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
         self.lora_slots = LoRASlots(num_lora_slots) if num_lora_slots else None
+        # scheduler_delay_factor: how long the last step that started prompts took
+        self.clock = time.monotonic  # the clock of requests' arrival times
+        self._prompts_started_at: float | None = None
+        self._prompt_step_s = 0.0
 
     # ---- queues --------------------------------------------------------------------------
 
@@ -179,9 +183,12 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step had to preempt: pages are short, and the
         # preempted requests must not be readmitted ahead of the running ones.
+        now = self.clock()
+        admitting = self._prompts_may_start(now)
         w = 0
         while (
-            not preempted
+            admitting
+            and not preempted
             and w < len(self.waiting)
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
@@ -222,6 +229,7 @@ class Scheduler:
             scheduled.append(req)
             num_new[req.request_id] = n
             budget -= n
+            self._prompts_started_at = now
 
         last_rows, self._sampled_rows = self._sampled_rows, {}
         sampled: list[Request] = []  # _commit adds the requests whose row samples, in row order
@@ -237,6 +245,17 @@ class Scheduler:
         if scheduled:
             self._unreported[id(sched)] = (sched, tuple(sampled))
         return sched
+
+    def _prompts_may_start(self, now: float) -> bool:
+        """scheduler_delay_factor: while requests run, waiting ones start only once the oldest
+        has waited delay_factor times the last prompt step's length (the time from the step that
+        last started prompts to the step after), so that more prompts share one step."""
+        if self._prompts_started_at is not None:
+            self._prompt_step_s, self._prompts_started_at = now - self._prompts_started_at, None
+        if self.config.delay_factor <= 0 or not self.running or not self.waiting:
+            return True
+        oldest = min(r.arrival_time for r in self.waiting)
+        return now - oldest > self.config.delay_factor * self._prompt_step_s
 
     def needs_tokens_before_next(self, sched: SchedulerOutput) -> bool:
         """Whether the next step can only be planned once this one's tokens are back: a row's

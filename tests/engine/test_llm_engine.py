@@ -42,14 +42,16 @@ def baseline(tiny_llama_gqa, prompts):
         {"enable_prefix_caching": False},
         {"num_gpu_blocks_override": 12, "max_num_seqs": 4},  # forces preemption
         {"max_num_batched_tokens": 16, "max_num_seqs": 4},  # forces chunked prefill
+        # preempted and queued requests held back while others run (scheduler_delay_factor)
+        {"num_gpu_blocks_override": 12, "max_num_seqs": 2, "scheduler_delay_factor": 2.0},
     ],
-    ids=["batched", "no-prefix-cache", "preemption", "chunked-prefill"],
+    ids=["batched", "no-prefix-cache", "preemption", "chunked-prefill", "delayed-prompts"],
 )
 def test_schedules_do_not_change_greedy_outputs(tiny_llama_gqa, prompts, baseline, overrides):
     llm = LLM(tiny_llama_gqa[0], **engine_kwargs(**overrides))
     assert _generate(llm, prompts) == baseline
     sched = llm.llm_engine.scheduler
-    if "num_gpu_blocks_override" in overrides:
+    if "num_gpu_blocks_override" in overrides and "scheduler_delay_factor" not in overrides:
         assert sched.num_preemptions > 0
     if overrides == {}:
         # Requests admitted together cannot hit each other's pages; a second round does.

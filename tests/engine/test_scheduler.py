@@ -342,3 +342,45 @@ def test_update_returns_only_requests_that_sampled(make_scheduler, make_request,
     empty = ModelRunnerOutput((), np.zeros(0, np.int32), np.zeros(0, np.float32))
     out = sched.schedule()
     assert sched.update(out, empty) == []
+
+
+def _step(sched, model, at: float) -> set[str]:
+    """One step at time `at` on the scheduler's clock: the requests it started."""
+    sched.clock = lambda: at
+    before = {r.request_id for r in sched.running}
+    out = sched.schedule()
+    sched.update(out, model(out))
+    return {s.request_id for s in out.seqs} - before
+
+
+@pytest.mark.parametrize("delay_factor", [0.0, 0.5])
+def test_scheduler_delay_factor_holds_new_prompts_to_start_them_together(
+    make_scheduler, make_request, fake_model, delay_factor
+):
+    """vLLM's scheduler_delay_factor: while requests run, a new prompt waits until the oldest
+    waiting one has waited delay_factor x the last prompt step's length (here 1.0 s: the step
+    at t=0 started a prompt, the next came at t=1)."""
+    sched = make_scheduler(max_num_batched_tokens=64, delay_factor=delay_factor)
+    model = fake_model(sched)
+    sched.add_request(make_request(8, max_tokens=30, arrival_time=0.0))
+    assert _step(sched, model, 0.0) == {"req-0"}  # nothing runs: no waiting
+    sched.add_request(make_request(8, max_tokens=4, arrival_time=1.0))
+    started = [_step(sched, model, t) for t in (1.0, 1.2)]
+    sched.add_request(make_request(8, max_tokens=4, arrival_time=1.3))
+    started += [_step(sched, model, t) for t in (1.4, 1.6)]
+    if delay_factor == 0:  # each prompt starts at the first step after it came
+        assert started == [{"req-1"}, set(), {"req-2"}, set()]
+    else:  # req-1 waited 0.6 s > 0.5 x 1.0 s at t=1.6, and req-2 started beside it
+        assert started == [set(), set(), set(), {"req-1", "req-2"}]
+
+
+def test_scheduler_delay_factor_never_holds_prompts_when_nothing_runs(
+    make_scheduler, make_request, fake_model
+):
+    sched = make_scheduler(max_num_batched_tokens=64, delay_factor=100.0)
+    model = fake_model(sched)
+    sched.add_request(make_request(8, max_tokens=1, arrival_time=0.0))
+    assert _step(sched, model, 0.0) == {"req-0"}
+    assert sched.num_running == 0  # one token: finished in its first step
+    sched.add_request(make_request(8, max_tokens=1, arrival_time=5.0))
+    assert _step(sched, model, 5.0) == {"req-1"}
