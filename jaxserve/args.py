@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 
 from jaxserve.config import (
@@ -402,8 +403,9 @@ class EngineArgs:
     # ---- ObservabilityConfig
     otlp_traces_endpoint: str | None = arg(G.OBS, None, "OpenTelemetry traces endpoint.", tier="B")
     collect_detailed_traces: list[str] | None = arg(G.OBS, None, "Modules to trace in detail.", tier="B")
+    # jaxserve has hidden no metric yet: any version shows them all, as they are.
     show_hidden_metrics_for_version: str | None = arg(
-        G.OBS, None, "Show metrics hidden since this version.", tier="B"
+        G.OBS, None, "Show metrics hidden since this version (jaxserve hides none yet)."
     )
     # ---- SchedulerConfig, continued
     max_num_partial_prefills: int = arg(G.SCHED, 1, "Concurrent partial prefills.", tier="B")
@@ -474,6 +476,9 @@ class EngineArgs:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}.")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0.")
+        version = self.show_hidden_metrics_for_version
+        if version is not None and not re.fullmatch(r"v?\d+(\.\d+){0,2}", str(version)):
+            raise ValueError(f"show_hidden_metrics_for_version must be a version such as 0.7, got {version!r}.")
         if not isinstance(self.scheduler_delay_factor, (int, float)) or self.scheduler_delay_factor < 0:
             raise ValueError(f"scheduler_delay_factor must be >= 0, got {self.scheduler_delay_factor!r}.")
         self._check_kv_scales()

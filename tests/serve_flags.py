@@ -166,7 +166,7 @@ FLAGS = [
     ("--enable-reasoning", "A", None, True, True),
     ("--otlp-traces-endpoint", "B", None, "http://otel:4317", "http://otel:4317"),
     ("--collect-detailed-traces", "B", None, ["model"], ["model"]),
-    ("--show-hidden-metrics-for-version", "B", None, "0.7", "0.7"),
+    ("--show-hidden-metrics-for-version", "A", None, "0.7", "0.7"),
     # ---- VllmConfig, multimodal and prompt adapters
     ("--kv-transfer-config", "C", None, '{"kv_connector": "x"}', {"kv_connector": "x"}),
     ("--kv-events-config", "C", None, '{"enable_kv_cache_events": true}', {"enable_kv_cache_events": True}),

@@ -503,3 +503,16 @@ def test_multi_process_flags_must_hang_together(served, capsys, argv, message):
         main(["serve", *argv])
     assert exc.value.code == 2 and re.search(message, _error_line(capsys))
     assert served == []
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--show-hidden-metrics-for-version", "seven"], "show_hidden_metrics_for_version"),
+        (["--scheduler-delay-factor", "-1"], "scheduler_delay_factor"),
+    ],
+)
+def test_bad_values_of_newly_served_flags_are_one_line(served, capsys, argv, named):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", *argv])
+    assert exc.value.code == 2 and named in _error_line(capsys) and served == []
