@@ -26,6 +26,7 @@ from jaxserve.config import (
     SchedulerConfig,
     StructuredOutputsConfig,
 )
+from jaxserve.engine.tracing import exporter_class
 from jaxserve.flags import ANY, G, arg, as_dict, check_flag_values, parse_human_int
 from jaxserve.model_resolution import DTYPES, model_config_from_args, platform
 from jaxserve.reasoning import get_reasoning_parser
@@ -401,7 +402,12 @@ class EngineArgs:
         G.SPEC, None, "JSON object: ngram (prompt lookup) or a draft model.", tier="B"
     )
     # ---- ObservabilityConfig
-    otlp_traces_endpoint: str | None = arg(G.OBS, None, "OpenTelemetry traces endpoint.", tier="B")
+    otlp_traces_endpoint: str | None = arg(
+        G.OBS,
+        None,
+        "OTLP endpoint to send a span per request to (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL grpc or "
+        "http/protobuf; needs pip install 'jaxserve[otel]').",
+    )
     collect_detailed_traces: list[str] | None = arg(G.OBS, None, "Modules to trace in detail.", tier="B")
     # jaxserve has hidden no metric yet: any version shows them all, as they are.
     show_hidden_metrics_for_version: str | None = arg(
@@ -478,9 +484,13 @@ class EngineArgs:
             raise ValueError("long_prefill_token_threshold must be >= 0.")
         version = self.show_hidden_metrics_for_version
         if version is not None and not re.fullmatch(r"v?\d+(\.\d+){0,2}", str(version)):
-            raise ValueError(f"show_hidden_metrics_for_version must be a version such as 0.7, got {version!r}.")
+            raise ValueError(
+                f"show_hidden_metrics_for_version must be a version such as 0.7, got {version!r}."
+            )
         if not isinstance(self.scheduler_delay_factor, (int, float)) or self.scheduler_delay_factor < 0:
             raise ValueError(f"scheduler_delay_factor must be >= 0, got {self.scheduler_delay_factor!r}.")
+        if self.otlp_traces_endpoint:
+            exporter_class()  # the packages and the protocol are there
         self._check_kv_scales()
         self._check_rope()
         self._check_distributed()
@@ -639,6 +649,7 @@ class EngineArgs:
             ),
             structured_outputs_config=self._structured_outputs_config(),
             lora_config=self._lora_config(),
+            otlp_traces_endpoint=self.otlp_traces_endpoint or None,
         )
 
     def _lora_config(self) -> LoRAConfig | None:

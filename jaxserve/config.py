@@ -162,3 +162,4 @@ class EngineConfig:
     compilation_config: CompilationConfig
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     lora_config: LoRAConfig | None = None  # None: no LoRA slots
+    otlp_traces_endpoint: str | None = None  # where request spans go (engine/tracing.py)

@@ -85,6 +85,9 @@ class EngineMetrics:
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "End-to-end request latency in seconds.", _E2E_BUCKETS
         )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Time requests spent waiting before first scheduled.", _E2E_BUCKETS
+        )
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens per engine step.", _token_buckets(max_num_batched_tokens)
         )
@@ -135,6 +138,8 @@ class EngineMetrics:
         for done in it.finished:
             self._request_success.labels(self.model_name, done.finish_reason).inc()
             self.e2e_request_latency.observe(done.e2e_latency)
+            if done.queue_time is not None:
+                self.request_queue_time.observe(done.queue_time)
             self.request_prompt_tokens.observe(done.num_prompt_tokens)
             self.request_generation_tokens.observe(done.num_generation_tokens)
 

@@ -164,7 +164,7 @@ FLAGS = [
     ("--structured-outputs-config", "A", {}, '{"backend": "guidance"}', {"backend": "guidance"}),
     ("--reasoning-parser", "A", "", "deepseek_r1", "deepseek_r1"),
     ("--enable-reasoning", "A", None, True, True),
-    ("--otlp-traces-endpoint", "B", None, "http://otel:4317", "http://otel:4317"),
+    ("--otlp-traces-endpoint", "A", None, "http://otel:4317", "http://otel:4317"),
     ("--collect-detailed-traces", "B", None, ["model"], ["model"]),
     ("--show-hidden-metrics-for-version", "A", None, "0.7", "0.7"),
     # ---- VllmConfig, multimodal and prompt adapters

@@ -23,7 +23,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from jaxserve.beam_search import (
@@ -114,6 +114,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead_error: BaseException | None = None
+        self._warned_trace_headers = False
 
     @classmethod
     def from_engine_args(cls, engine_args, stats_callbacks: tuple[StatsCallback, ...] = ()) -> AsyncLLMEngine:
@@ -243,13 +244,19 @@ class AsyncLLMEngine:
         request_id: str,
         priority: int = 0,
         lora_request=None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> ParentRequest:
         """Check and build a request without queueing it; ValueError on bad input."""
         if self.dead_error is not None:
             raise EngineRequestError(f"The engine is not running: {self.dead_error}")
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        return self.engine.make_request(request_id, prompt, params, priority, lora_request=lora_request)
+        if trace_headers and self.engine.tracer is None and not self._warned_trace_headers:
+            self._warned_trace_headers = True
+            logger.warning("Requests carry trace context, but tracing is off (--otlp-traces-endpoint).")
+        return self.engine.make_request(
+            request_id, prompt, params, priority, lora_request=lora_request, trace_headers=trace_headers
+        )
 
     async def stream(self, parent: ParentRequest) -> AsyncIterator[RequestOutput]:
         """Queue a request from make_request and yield its (cumulative) outputs until it

@@ -28,7 +28,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.input_processor import InputProcessor, PromptType
@@ -38,6 +38,7 @@ from jaxserve.engine.parent_request import ParentRequest
 from jaxserve.engine.request import RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.stats import IterationStats, SchedulerStats
+from jaxserve.engine.tracing import RequestTracer
 from jaxserve.loader.generation_config import read_generation_config, sampling_defaults
 from jaxserve.loader.tokenizer import load_tokenizer
 from jaxserve.lora.adapter import AdapterCache
@@ -109,6 +110,10 @@ class LLMEngine:
         self.pacer = StepPacer()  # when the server's loop plans the next step (asynchronous scheduling)
         self._counter = itertools.count()
         self._released: tuple[str, ...] = ()  # what sleep() freed and wake_up() has not taken back
+        self.tracer = None  # a span per finished request (engine/tracing.py), sent as it is recorded
+        if config.otlp_traces_endpoint:
+            name = mc.served_model_name[0] if mc.served_model_name else mc.model
+            self.tracer = self.output_processor.tracer = RequestTracer(config.otlp_traces_endpoint, name)
 
     @classmethod
     def from_engine_args(cls, engine_args) -> LLMEngine:
@@ -151,9 +156,11 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> ParentRequest:
         """Check and tokenize a request and build its child sequences; ValueError on bad
-        input. Touches no queue, so a server may call it off the engine's thread."""
+        input. Touches no queue, so a server may call it off the engine's thread.
+        trace_headers: the W3C trace context its span joins (--otlp-traces-endpoint)."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         if lora_request is not None:
@@ -165,6 +172,7 @@ class LLMEngine:
         parent = self.input_processor.process(request_id, prompt, params, priority, arrival_time)
         for child in parent.children:
             child.lora_request = lora_request
+        parent.trace_headers = trace_headers
         return parent
 
     def enqueue(self, parent: ParentRequest) -> None:

@@ -25,6 +25,7 @@ class OutputProcessor:
         self.parents: dict[str, ParentRequest] = {}
         self._children: dict[str, tuple[ParentRequest, int]] = {}  # child id -> (parent, index)
         self._last_token_time: dict[str, float] = {}  # child id -> when its last token came out
+        self.tracer = None  # engine/tracing.py's RequestTracer: told of each finished request
 
     # ---- the registry ---------------------------------------------------------------------
 
@@ -92,14 +93,24 @@ class OutputProcessor:
             stats.time_to_first_tokens.append(now - parent.arrival_time)
 
     def record_finished(self, stats: IterationStats, parent: ParentRequest, now: float) -> None:
+        scheduled = [c.scheduled_time for c in parent.children if c.scheduled_time is not None]
+        first = parent.first_token_time
         stats.finished.append(
             FinishedRequestStats(
                 finish_reason=parent.children[0].status.finish_reason,
                 e2e_latency=now - parent.arrival_time,
                 num_prompt_tokens=len(parent.prompt_token_ids),
                 num_generation_tokens=sum(c.num_output_tokens for c in parent.children),
+                request_id=parent.request_id,
+                arrival_time=parent.arrival_time,
+                queue_time=min(scheduled) - parent.arrival_time if scheduled else None,
+                time_to_first_token=None if first is None else first - parent.arrival_time,
+                sampling_params=parent.children[0].sampling_params,
+                trace_headers=parent.trace_headers,
             )
         )
+        if self.tracer is not None:
+            self.tracer.record(stats.finished[-1:])
 
     # ---- building outputs ------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ turns tokens into outputs: a detokenizer per child and the logprob dicts built s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -31,6 +32,7 @@ class ParentRequest:
     first_token_time: float | None = None
     n: int = 1  # samples to return
     best_of: int = 1  # samples to run (the n of highest cumulative logprob are returned)
+    trace_headers: Mapping[str, str] | None = None  # W3C trace context it came with (engine/tracing.py)
 
     @cached_property  # asked every step; fixed once the children exist
     def reports_progress(self) -> bool:

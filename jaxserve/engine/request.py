@@ -74,6 +74,7 @@ class Request:
         # next step is fed on the device before the host has them.
         self.num_output_placeholders = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache on first schedule
+        self.scheduled_time: float | None = None  # when it was first scheduled (time.monotonic)
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING  # sets is_finished too
         self.stop_reason: int | str | None = None

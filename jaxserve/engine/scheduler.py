@@ -223,6 +223,7 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if first_time:
                 req.num_cached_tokens = num_cached
+                req.scheduled_time = now
                 if self.block_manager.enable_prefix_caching:
                     self.block_manager.stats.record(req.num_tokens, num_cached)
             self.running.append(req)

@@ -7,7 +7,9 @@ Prometheus or logging.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,13 @@ class FinishedRequestStats:
     e2e_latency: float  # seconds from arrival to the last token
     num_prompt_tokens: int
     num_generation_tokens: int
+    # for request traces (engine/tracing.py) and the queue-time metric
+    request_id: str = ""
+    arrival_time: float = 0.0  # time.monotonic()
+    queue_time: float | None = None  # seconds from arrival until first scheduled (None: never)
+    time_to_first_token: float | None = None  # seconds (None: no token came out)
+    sampling_params: Any = None  # the request's SamplingParams
+    trace_headers: Mapping[str, str] | None = None  # W3C trace context the request came with
 
 
 @dataclass

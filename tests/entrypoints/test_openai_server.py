@@ -160,6 +160,7 @@ async def test_metrics_move_after_a_request(http):
         "ok": await sample("request_success_total", f'finished_reason="length",model_name="{MODEL}"'),
         "ttft": await sample("time_to_first_token_seconds_count"),
         "e2e": await sample("e2e_request_latency_seconds_count"),
+        "queue": await sample("request_queue_time_seconds_count"),
         "queries": await sample("prefix_cache_queries_total"),
     }
     body = {"model": MODEL, "prompt": PROMPTS[9], "max_tokens": 5, "ignore_eos": True, "temperature": 0}
@@ -173,6 +174,7 @@ async def test_metrics_move_after_a_request(http):
     )
     assert await sample("time_to_first_token_seconds_count") == before["ttft"] + 1
     assert await sample("e2e_request_latency_seconds_count") == before["e2e"] + 1
+    assert await sample("request_queue_time_seconds_count") == before["queue"] + 1
     assert await sample("prefix_cache_queries_total") > before["queries"]
     assert await sample("num_requests_running") == 0
     async with session.get(url + "metrics") as r:

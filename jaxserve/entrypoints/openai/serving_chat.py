@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from jaxserve.engine.tracing import trace_headers
 from jaxserve.entrypoints.openai.chat_reply import ChatReply
 from jaxserve.entrypoints.openai.chat_tools import reply_tool_parser, tool_choice_mode, tool_constraint
 from jaxserve.entrypoints.openai.logprobs import prompt_logprobs
@@ -69,7 +70,9 @@ class OpenAIServingChat(OpenAIServing):
         request_id = self.request_id(raw, body, "chatcmpl")
         self.log_request(request_id, prompt, params)
         beams = [body.to_beam_search_params(params.max_tokens, constraint)]
-        outputs = self.generate_all(request_id, [prompt], [params], body.priority, beams, model)
+        outputs = self.generate_all(
+            request_id, [prompt], [params], body.priority, beams, model, trace_headers(raw.headers)
+        )
         head = {"id": request_id, "object": "chat.completion", "created": now(), "model": model}
         role = self.role(body)
         echo = self._echo_text(body, role)

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from jaxserve.engine.tracing import trace_headers
 from jaxserve.entrypoints.openai.logprobs import prompt_logprobs
 from jaxserve.entrypoints.openai.protocol import CompletionRequest, now
 from jaxserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt
@@ -48,7 +49,9 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = self.request_id(raw, body, "cmpl")
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             self.log_request(request_id if len(prompts) == 1 else f"{request_id}-{i}", p, sp)
-        outputs = self.generate_all(request_id, prompts, params, body.priority, beams, model)
+        outputs = self.generate_all(
+            request_id, prompts, params, body.priority, beams, model, trace_headers(raw.headers)
+        )
         head = {"id": request_id, "object": "text_completion", "created": now(), "model": model}
         if body.stream:
             return await sse_response(raw, self._chunks(body, head, prompts, outputs))

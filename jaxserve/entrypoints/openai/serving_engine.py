@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -145,6 +145,7 @@ class OpenAIServing:
         priority: int,
         beams: list[BeamSearchParams | None] | None = None,
         model: str | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of several prompts as they come, tagged with the prompt's index.
 
@@ -165,7 +166,7 @@ class OpenAIServing:
             )
         parents = [
             self.engine.make_request(
-                p, sp, request_id if len(prompts) == 1 else f"{request_id}-{i}", priority, lora
+                p, sp, request_id if len(prompts) == 1 else f"{request_id}-{i}", priority, lora, trace_headers
             )
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
         ]
