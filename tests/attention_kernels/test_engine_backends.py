@@ -45,12 +45,17 @@ def test_greedy_tokens_equal_the_reference_backends(tiny_llama_gqa, backend):
 
 def test_int8_kv_pages_give_the_reference_backends_tokens_through_the_tpu_kernel(tiny_llama_gqa):
     """An int8 KV cache served by the TPU kernel (interpreted): the pages of 32 tokens it picks
-    for 1-byte pages when no --block-size is given, the same scales and tokens as the reference."""
+    for 1-byte pages when no --block-size is given, the same scales and tokens as the reference,
+    and again after a sleep (the pool comes back in the kernel's layout, the scales kept)."""
     rng = np.random.default_rng(3)
     prompts = [{"prompt_token_ids": rng.integers(3, 500, size=n).tolist()} for n in (5, 40, 9)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     kw = engine_kwargs(
-        max_num_batched_tokens=32, num_gpu_blocks_override=8, kv_cache_dtype="int8", block_size=None
+        max_num_batched_tokens=32,
+        num_gpu_blocks_override=8,
+        kv_cache_dtype="int8",
+        block_size=None,
+        enable_sleep_mode=True,
     )
     runs = {}
     for backend in ("reference", "pallas-tpu-interpret"):
@@ -63,6 +68,12 @@ def test_int8_kv_pages_give_the_reference_backends_tokens_through_the_tpu_kernel
         )
     np.testing.assert_allclose(runs["reference"][0], runs["pallas-tpu-interpret"][0], rtol=1e-5)
     assert runs["reference"][1] == runs["pallas-tpu-interpret"][1]
+    llm.sleep(1)
+    llm.wake_up()
+    assert runner.kv_pool.shape[-1] == 128 and str(runner.kv_pool.dtype) == "int8"
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == runs[
+        "reference"
+    ][1]
 
 
 def test_tpu_refuses_pages_it_cannot_tile(tiny_llama_gqa):

@@ -204,7 +204,7 @@ async def test_a_request_arriving_during_a_step_joins_the_next_one(
         def late_step(self):
             if self._in_flight is not None and wake_late.is_set():
                 wake_late.clear()
-                time.sleep(TimedRunner.STEP / 10)
+                time.sleep(TimedRunner.STEP / 5)
             return step(self)
 
         monkeypatch.setattr(LLMEngine, "step", late_step)
@@ -226,7 +226,7 @@ async def test_a_request_arriving_during_a_step_joins_the_next_one(
         assert statistics.median(gaps) < TimedRunner.STEP / 5
     if woken_late:  # (the late wake-up happened: the device idled before the step the request came in)
         running = _running(timeline, arrived)
-        assert running[0] - max(end for _, end, _ in timeline if end <= running[0]) > TimedRunner.STEP / 20
+        assert running[0] > max(end for _, end, _ in timeline if end <= running[0])
 
 
 @RUNNERS
