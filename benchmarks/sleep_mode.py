@@ -27,7 +27,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 def device_bytes() -> int:
     import jax
 
-    return sum(s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards)
+    from jaxserve.runner.model_runner import bytes_per_device
+
+    return sum(bytes_per_device(jax.live_arrays()).values())
 
 
 def run(ns: argparse.Namespace) -> dict:

@@ -378,12 +378,12 @@ class ModelRunner:
             self.channel.publish("sleep", level)
         freed = 0
         if self._off_device is None:
-            freed += sleep_mode.device_bytes(self.state)
+            freed += sum(bytes_per_device(self.state).values())
             self._off_device = sleep_mode.OffDevice(self.state, level, self._lora_keys)
         else:
             self._off_device.deepen(level)
         if not self.kv_pool.is_deleted():
-            freed += sum(s.data.nbytes for s in self.kv_pool.addressable_shards)
+            freed += sum(bytes_per_device(self.kv_pool).values())
             self.kv_pool.delete()
         return freed
 

@@ -61,12 +61,6 @@ def restore(state: nnx.State, saved: dict[Hashable, HostShards]) -> None:
         flat[key].value = put[id(host)]
 
 
-def device_bytes(state: nnx.State) -> int:
-    """Bytes this process's devices hold for `state`'s arrays."""
-    arrays = {id(var.value): var.value for _, var in state.flat_state()}
-    return sum(s.data.nbytes for a in arrays.values() for s in a.addressable_shards)
-
-
 class OffDevice:
     """A model's weights while they are off the devices: host copies of all of them (level 1)
     or of the LoRA slots only (level 2: waking reads the checkpoint again)."""
