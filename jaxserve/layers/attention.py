@@ -2,7 +2,7 @@
 runs ragged paged attention with the backend chosen for the platform.
 
 Every backend has the reference's signature (pallas_kernels/ragged_paged_attention/): the
-pure-jnp reference (CPU), the Pallas TPU kernel and the Pallas GPU kernel, the last two also
+pure-jnp reference (CPU: with a native kernel for steps of few rows), the Pallas TPU kernel and the Pallas GPU kernel, the last two also
 in Pallas' interpret mode for checking them on any machine. Which one runs is a static field
 of the AttentionMetadata the runner builds (its `backend`): part of the pytree's structure, so
 a step traced for one backend is never reused for another, and models never name a backend,
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
-from pallas_kernels.ragged_paged_attention import reference
+from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.reference import write_kv
 
 _KERNEL_PLATFORMS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}
@@ -83,8 +83,8 @@ def pool_head_dim(backend: str, head_dim: int) -> int:
 def _kernel(name: str):
     """The attention function of backend `name`; a kernel's module is imported only when a
     backend names it."""
-    if name == "reference":
-        return reference.ragged_paged_attention
+    if name == "reference":  # on a CPU, the native kernel for steps of few rows (cpu.py)
+        return cpu.ragged_paged_attention
     platform, _, mode = name.partition("-")
     if platform == "tpu":
         from pallas_kernels.ragged_paged_attention import tpu as module

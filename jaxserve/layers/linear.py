@@ -18,8 +18,9 @@ groups of 32 inputs (`q8`: Q8_0's int8 values and a scale per group; `q4`: Q4_0,
 by another tool (loader/prequantized.py) in int8 or fp8 with a scale per output channel (`int8`,
 `fp8`, as above) or per group of N inputs too (`int8/N`, `fp8/N`: scales [..., in / N, out]). 4-bit values are kept two per byte: the byte of row
 64b + t holds that row (low nibble) and row 64b + 32 + t (high nibble), so each nibble is a
-whole group and the two halves of the input feed two dots whose results add; XLA:CPU then
-unpacks inside each layer's fused convert, as fast as int8 (benchmarks/quantized_matmul.py).
+whole group and the two halves of the input feed two dots whose results add
+(pallas_kernels/quantized_matmul: on a CPU, a native kernel for the few rows of a decode step, which
+reads the bytes once instead of XLA's float32 copy of the kernel).
 Their scales and mins are [..., in / 64, 2, out]: pairs of groups, the low nibbles' first.
 """
 
@@ -33,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.sharding import LOGICAL_AXIS_RULES
+from pallas_kernels.quantized_matmul import q4_matmul
 
 # --quantization -> (stored dtype, largest magnitude it holds)
 WEIGHT_QUANTIZATIONS: dict[str, tuple[np.dtype, float]] = {
@@ -210,14 +212,36 @@ def _project(x: jax.Array, w: Mapping[str, jax.Array], name: str) -> jax.Array:
         )
     if scale.ndim == kernel.ndim:  # int8 or fp8 in groups of inputs: q8, int8/N, fp8/N
         return jnp.dot(x.astype(jnp.float32), _groups(kernel, scale, None)).astype(x.dtype)
-    # q4: two 4-bit values a byte, each nibble a half of the groups
-    mins = w[f"{name}_proj{MIN_SUFFIX}"]
-    xs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2, GROUP)  # [..., in / 64, 2, 32]
-    halves = [(kernel & 15, xs[..., 0, :]), (kernel >> 4, xs[..., 1, :])]
-    return sum(
-        jnp.dot(part.reshape(*x.shape[:-1], -1), _groups(nibble, scale[:, i], mins[:, i]))
-        for i, (nibble, part) in enumerate(halves)
-    ).astype(x.dtype)
+    # q4: two 4-bit values a byte, each nibble a half of the groups (pallas_kernels/quantized_matmul)
+    names = (f"{name}_proj", f"{name}_proj{SCALE_SUFFIX}", f"{name}_proj{MIN_SUFFIX}")
+    if isinstance(w, LayerWeights):  # the whole stack and the layer's index: no copy of the slice
+        stacks, index = [w.stack(n) for n in names], w.index
+    else:
+        stacks, index = [w[n][None] for n in names], jnp.int32(0)
+    flat = x.reshape(-1, x.shape[-1])
+    return q4_matmul(flat, *stacks, index).reshape(*x.shape[:-1], -1).astype(x.dtype)
+
+
+class LayerWeights(Mapping):
+    """One decoder layer's weights out of their stacks ([layers, ...] each), as a mapping: w[name]
+    is the layer's slice; `stack(name)` and `index` hand a kernel the whole stack and the layer, so
+    that XLA does not copy the slice out before a custom call."""
+
+    def __init__(self, stacked: Mapping[str, jax.Array], index: jax.Array):
+        self._stacked = stacked
+        self.index = index  # [] int32
+
+    def __getitem__(self, name: str) -> jax.Array:
+        return self._stacked[name][self.index]
+
+    def __iter__(self):
+        return iter(self._stacked)
+
+    def __len__(self) -> int:
+        return len(self._stacked)
+
+    def stack(self, name: str) -> jax.Array:
+        return self._stacked[name]
 
 
 # An embedding table kept in a GGUF file's Q8_0 groups (`embed_tokens` in "q8"): int8 values

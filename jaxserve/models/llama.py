@@ -32,6 +32,7 @@ from jaxserve.layers.attention import AttentionMetadata, paged_attention
 from jaxserve.layers.linear import (
     LORA_TARGETS,
     SCALE_SUFFIX,
+    LayerWeights,
     embed,
     embedding_params,
     kernel_params,
@@ -240,8 +241,8 @@ class LlamaForCausalLM(nnx.Module):
         def norm(x, weight):
             return rms_norm(x, weight, a.rms_norm_eps, a.norm_offset)
 
-        # Per-layer inputs of the scan besides the weights: the layer index, and the window
-        # and rope frequencies where layers differ in them.
+        # Per-layer inputs of the scan: the layer index (each layer reads its weights out of the
+        # stacks by it), and the window and rope frequencies where layers differ in them.
         xs = {"index": jnp.arange(a.num_layers, dtype=jnp.int32)}
         shared_window, windows = _windows(a.layer_windows)
         if windows is not None:
@@ -251,9 +252,11 @@ class LlamaForCausalLM(nnx.Module):
             freqs = [a.local_inv_freq if w else a.inv_freq for w in a.layer_windows]
             xs["inv_freq"] = jnp.asarray(np.asarray(freqs, np.float32))
 
-        def layer(carry, xs):
+        stacked = self.layers.stacked()
+
+        def layer(carry, per_layer):
             x, kv_pool = carry
-            w, per_layer = xs
+            w = LayerWeights(stacked, per_layer["index"])
             layer_freq = per_layer.get("inv_freq", inv_freq)
             h = norm(x, w["input_norm"])
             q, k, v = linears(h, w, ("q", "k", "v"), lora)
@@ -290,7 +293,7 @@ class LlamaForCausalLM(nnx.Module):
             x = x + (norm(out, w["mlp_out_norm"]) if a.sandwich_norms else out)
             return (x, kv_pool), None
 
-        (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), (self.layers.stacked(), xs))
+        (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), xs)
         x = norm(x[logits_indices], self.norm.value)
         if a.tie_word_embeddings:
             logits = tied_head(x, self.embed_tokens.value, scale)

@@ -48,6 +48,7 @@ from jaxserve.runner.step import StepResult, StepVariant, forward, sample_step, 
 from jaxserve.runner.step_cache import StepCache
 from jaxserve.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from jaxserve.sharding import make_mesh
+from pallas_kernels import native
 from pallas_kernels.ragged_paged_attention.reference import is_quantized
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,9 @@ class ModelRunner:
         self.step_cache = step_cache if step_cache is not None else StepCache()
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         self.mesh = mesh or make_mesh(config.parallel_config.tensor_parallel_size)
+        # The native CPU kernels (pallas_kernels/native.py), registered before any step is traced
+        # or loaded from the executable store; a step traced without them runs the references.
+        self.native_kernels = self.mesh.devices.flat[0].platform == "cpu" and native.load()
         self.executables = enable_compilation_cache(config.compilation_config.cache_dir, self.mesh)
         entry, self.args = build_model_args(mc, config.parallel_config, config.lora_config)
         self._model_name = f"{entry.model_cls.__module__}.{entry.model_cls.__qualname__}"
@@ -270,7 +274,7 @@ class ModelRunner:
         # the graph is the model class applied to its arguments; the rest of the key as text
         stored_as = (
             self._model_name, repr(self.args), *map(str, key[1:]),
-            tuple((d.id, d.device_kind) for d in devices),
+            tuple((d.id, d.device_kind) for d in devices), ("native kernels", self.native_kernels),
         )  # fmt: skip
         compiled = self.executables.load(stored_as, devices)
         if compiled is None:

@@ -1,0 +1,40 @@
+"""x @ W for a 4-bit quantized kernel W (one layer of a stack): the native CPU kernel where it
+pays, else the pure-jnp reference. See reference.py for the layout, cpu.cc for the kernel."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import native
+from pallas_kernels.quantized_matmul.reference import q4_matmul_reference
+
+# Rows of x up to which the kernel beats XLA's dequantize-then-dot on a CPU (measured with
+# benchmarks/decode_profile.py --kernels: 2.4x at 1 row, 1.3x at 4, slower from 8).
+CPU_KERNEL_MAX_ROWS = 4
+
+
+def cpu_kernel_applies(x: jax.Array) -> bool:
+    """Whether the native kernel computes this product: a float32 x of few rows, in a step traced
+    for one CPU device (several devices shard the kernel, which the FFI call would gather), with the
+    kernels loaded."""
+    if x.ndim != 2 or x.dtype != jnp.float32 or x.shape[0] > CPU_KERNEL_MAX_ROWS:
+        return False
+    if jax.default_backend() != "cpu" or not native.loaded():
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1
+
+
+def q4_matmul(
+    x: jax.Array,  # [rows, k]
+    packed: jax.Array,  # [layers, k / 2, n] uint8
+    scale: jax.Array,  # [layers, k / 64, 2, n] float32
+    mins: jax.Array,  # [layers, k / 64, 2, n] float32
+    layer: jax.Array,  # [] int32
+) -> jax.Array:  # [rows, n] float32
+    if not cpu_kernel_applies(x) or packed.shape[-1] % 64:
+        return q4_matmul_reference(x, packed, scale, mins, layer)
+    out = jax.ShapeDtypeStruct((x.shape[0], packed.shape[-1]), jnp.float32)
+    call = jax.ffi.ffi_call("jaxserve_q4_matmul", out, vmap_method="sequential")
+    return call(x, packed, scale, mins, jnp.asarray(layer, jnp.int32))

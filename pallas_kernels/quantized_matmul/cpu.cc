@@ -1,0 +1,123 @@
+// x @ W for a few rows of x and a 4-bit kernel W, reading W's bytes once (see native.py for why).
+//
+// W is one layer of a stack [layers, k / 2, n] in layers/linear.py's 4-bit layout: byte row 32b + i
+// holds input 64b + i in its low nibble and input 64b + 32 + i in its high one, and
+// w = q * scale + min with a scale and a min per group of 32 inputs ([layers, k / 64, 2, n]). Taking
+// the whole stack and the layer index spares XLA a copy of the layer's slice before the call.
+//
+// Per group, sum_i x_i (q_i s + m) = s (sum_i x_i q_i) + m (sum_i x_i): the inner loop is one
+// multiply-add per weight on the unpacked nibbles, and the scale and min apply once per group.
+// The reference: quantized_matmul/reference.py, q4_matmul_reference (same arguments).
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "native.h"
+
+namespace jaxserve {
+namespace {
+
+constexpr int kGroup = 32;  // inputs per scale and min
+constexpr int kCols = 64;   // output columns per unit of work: one cache line of each byte row
+
+// y[r, c0:c0 + C] for R rows of x. The R * C partial sums of both nibbles stay in registers, so C
+// shrinks as R grows.
+template <int R, int C>
+void Q4Block(const float* x, const float* xsum, int k, int n, const uint8_t* q, const float* scale,
+             const float* mins, float* y, int c0) {
+  float acc[R][C] = {};
+  const int groups = k / kGroup;
+  for (int b = 0; b < k / 64; ++b) {
+    float lo[R][C] = {}, hi[R][C] = {};
+    const uint8_t* qb = q + static_cast<size_t>(b) * 32 * n + c0;
+    for (int i = 0; i < 32; ++i) {
+      const uint8_t* qr = qb + static_cast<size_t>(i) * n;
+      float wl[C], wh[C];
+      for (int c = 0; c < C; ++c) {
+        wl[c] = static_cast<float>(qr[c] & 15);
+        wh[c] = static_cast<float>(qr[c] >> 4);
+      }
+      for (int r = 0; r < R; ++r) {
+        const float xl = x[r * k + 64 * b + i], xh = x[r * k + 64 * b + 32 + i];
+        for (int c = 0; c < C; ++c) {
+          lo[r][c] += xl * wl[c];
+          hi[r][c] += xh * wh[c];
+        }
+      }
+    }
+    const float* s0 = scale + static_cast<size_t>(2 * b) * n + c0;  // [2, n]: low nibbles' first
+    const float* m0 = mins + static_cast<size_t>(2 * b) * n + c0;
+    for (int r = 0; r < R; ++r) {
+      const float xs0 = xsum[r * groups + 2 * b], xs1 = xsum[r * groups + 2 * b + 1];
+      for (int c = 0; c < C; ++c)
+        acc[r][c] += s0[c] * lo[r][c] + m0[c] * xs0 + s0[n + c] * hi[r][c] + m0[n + c] * xs1;
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(y + static_cast<size_t>(r) * n + c0, acc[r], sizeof(acc[r]));
+}
+
+// The rows in chunks of R (the last one padded with zero rows), the columns in blocks of kCols
+// shared among the threads.
+template <int R, int C>
+void Q4Rows(ffi::ThreadPool& pool, const float* x, int rows, int k, int n, const uint8_t* q,
+            const float* scale, const float* mins, float* y) {
+  const int groups = k / kGroup, chunks = (rows + R - 1) / R, blocks = n / kCols;
+  std::unique_ptr<float[]> xs(new float[static_cast<size_t>(chunks) * R * (k + groups)]());
+  std::unique_ptr<float[]> ys(new float[static_cast<size_t>(chunks) * R * n]);
+  float* xpad = xs.get();
+  float* xsum = xpad + static_cast<size_t>(chunks) * R * k;
+  std::memcpy(xpad, x, sizeof(float) * rows * k);
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < groups; ++g) {
+      float s = 0;
+      for (int i = 0; i < kGroup; ++i) s += x[r * k + g * kGroup + i];
+      xsum[r * groups + g] = s;
+    }
+  ParallelFor(pool, blocks * chunks, [&](int unit) {
+    const int chunk = unit / blocks, c0 = (unit % blocks) * kCols;
+    for (int c = 0; c < kCols; c += C)
+      Q4Block<R, C>(xpad + chunk * R * k, xsum + chunk * R * groups, k, n, q, scale, mins,
+                    ys.get() + static_cast<size_t>(chunk) * R * n, c0 + c);
+  });
+  std::memcpy(y, ys.get(), sizeof(float) * rows * n);
+}
+
+ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
+                    ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mins, ffi::Buffer<ffi::S32> layer,
+                    ffi::ResultBuffer<ffi::F32> y) {
+  // x [rows, k]; packed [layers, k / 2, n]; scale, mins [layers, k / 64, 2, n]; layer [] -> y [rows, n]
+  const auto xd = x.dimensions(), pd = packed.dimensions();
+  if (xd.size() != 2 || pd.size() != 3 || scale.dimensions().size() != 4)
+    return ffi::Error::InvalidArgument("q4_matmul: x must be [rows, k], packed [layers, k / 2, n]");
+  const int rows = static_cast<int>(xd[0]), k = static_cast<int>(xd[1]);
+  const int layers = static_cast<int>(pd[0]), n = static_cast<int>(pd[2]);
+  if (pd[1] * 2 != k || k % 64 || n % kCols)
+    return ffi::Error::InvalidArgument("q4_matmul: k must be a multiple of 64 and n of 64");
+  const int l = layer.typed_data()[0];
+  if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("q4_matmul: layer out of range");
+  const uint8_t* q = packed.typed_data() + static_cast<size_t>(l) * (k / 2) * n;
+  const float* s = scale.typed_data() + static_cast<size_t>(l) * (k / kGroup) * n;
+  const float* m = mins.typed_data() + static_cast<size_t>(l) * (k / kGroup) * n;
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  if (rows == 0) return ffi::Error::Success();
+  if (rows == 1) Q4Rows<1, 64>(pool, xp, rows, k, n, q, s, m, yp);
+  else if (rows == 2) Q4Rows<2, 64>(pool, xp, rows, k, n, q, s, m, yp);
+  else if (rows <= 4) Q4Rows<4, 32>(pool, xp, rows, k, n, q, s, m, yp);
+  else Q4Rows<8, 16>(pool, xp, rows, k, n, q, s, m, yp);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxserve
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQ4Matmul, jaxserve::Q4Matmul,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // x
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // packed
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // scale
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // mins
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // layer
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // y

@@ -1,0 +1,133 @@
+// Ragged paged attention for steps of few query rows (decodes), on a CPU: the reference's
+// semantics (reference.py, ragged_paged_attention, float32 pages), one pass over each sequence's
+// keys per query row and KV head, with the query heads that share the KV head read together.
+//
+// XLA:CPU runs the reference's loop over key chunks as a nest of while loops, each iteration a
+// handful of small programs: at one decode row a layer's attention costs ~0.15 ms of that
+// overhead, more than its arithmetic. Here a (row, KV head) pair is one unit of work.
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "native.h"
+
+namespace jaxserve {
+namespace {
+
+struct Shapes {
+  int rows, q_heads, head_dim, num_pages, kv_heads, page_size, max_seqs, pages_per_seq;
+};
+
+// One query row (its `group` query heads sharing KV head h) against keys [lo, hi) of its sequence.
+void AttendRow(const Shapes& s, const float* q, const float* pages, const int32_t* table, int h,
+               int lo, int hi, float sm_scale, float soft_cap, float* out) {
+  const int d = s.head_dim, group = s.q_heads / s.kv_heads, n = hi - lo;
+  std::vector<float> scores(static_cast<size_t>(group) * (n > 0 ? n : 1));
+  const size_t tile = static_cast<size_t>(s.page_size) * d;  // one (page, head, k|v) tile
+  auto page = [&](int pos) -> size_t {
+    const int id = table[pos / s.page_size];
+    return static_cast<size_t>(id < 0 || id >= s.num_pages ? 0 : id);
+  };
+  for (int j = 0; j < n; ++j) {
+    const int pos = lo + j;
+    const float* key = pages + (page(pos) * 2 * s.kv_heads + 2 * h) * tile +
+                       static_cast<size_t>(pos % s.page_size) * d;
+    for (int g = 0; g < group; ++g) {
+      const float* qg = q + static_cast<size_t>(h * group + g) * d;
+      float dot = 0;
+#pragma omp simd reduction(+ : dot)
+      for (int e = 0; e < d; ++e) dot += qg[e] * key[e];
+      dot *= sm_scale;
+      if (soft_cap > 0) dot = soft_cap * std::tanh(dot / soft_cap);
+      scores[static_cast<size_t>(g) * n + j] = dot;
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    float* sg = scores.data() + static_cast<size_t>(g) * n;
+    float* o = out + static_cast<size_t>(h * group + g) * d;
+    for (int e = 0; e < d; ++e) o[e] = 0;
+    if (n <= 0) continue;
+    float m = -std::numeric_limits<float>::infinity(), total = 0;
+    for (int j = 0; j < n; ++j) m = std::max(m, sg[j]);
+    for (int j = 0; j < n; ++j) total += (sg[j] = std::exp(sg[j] - m));
+    const float inv = 1.0f / total;
+    for (int j = 0; j < n; ++j) {
+      const int pos = lo + j;
+      const float* value = pages + (page(pos) * 2 * s.kv_heads + 2 * h + 1) * tile +
+                           static_cast<size_t>(pos % s.page_size) * d;
+      const float p = sg[j] * inv;
+#pragma omp simd
+      for (int e = 0; e < d; ++e) o[e] += p * value[e];
+    }
+  }
+}
+
+ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv_pages,
+                                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
+                                ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                                ffi::Buffer<ffi::S32> window, float sm_scale, float soft_cap,
+                                ffi::ResultBuffer<ffi::F32> out) {
+  // q [rows, q_heads, d]; kv_pages [pages, 2 * kv_heads, page_size, d]; kv_lens [max_seqs];
+  // page_indices [max_seqs, pages_per_seq]; cu_q_lens [max_seqs + 1]; num_seqs [1]; window []
+  // (keys a query sees at most; <= 0: all) -> out [rows, q_heads, d]
+  const auto qd = q.dimensions(), kd = kv_pages.dimensions(), pd = page_indices.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: bad ranks");
+  const Shapes s{static_cast<int>(qd[0]), static_cast<int>(qd[1]), static_cast<int>(qd[2]),
+                 static_cast<int>(kd[0]), static_cast<int>(kd[1] / 2), static_cast<int>(kd[2]),
+                 static_cast<int>(pd[0]), static_cast<int>(pd[1])};
+  if (kd[3] != s.head_dim || s.q_heads % s.kv_heads)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: head shapes disagree");
+  const int32_t* lens = kv_lens.typed_data();
+  const int32_t* cu = cu_q_lens.typed_data();
+  const int seqs = std::min(num_seqs.typed_data()[0], s.max_seqs);
+  const int win = window.typed_data()[0];
+  const float* qp = q.typed_data();
+  const float* pages = kv_pages.typed_data();
+  const int32_t* tables = page_indices.typed_data();
+  float* op = out->typed_data();
+  const size_t row_size = static_cast<size_t>(s.q_heads) * s.head_dim;
+  std::fill(op, op + row_size * s.rows, 0.0f);  // padding rows: zero
+  // the live rows with their sequences; a unit of work is a (live row, KV head) pair
+  std::vector<std::pair<int, int>> live;
+  for (int i = 0; i < seqs; ++i)
+    for (int r = std::max(cu[i], 0); r < std::min(cu[i + 1], s.rows); ++r) live.emplace_back(r, i);
+  auto unit = [&](int u) {
+    const auto [row, i] = live[u / s.kv_heads];
+    const int h = u % s.kv_heads;
+    const int pos = lens[i] - (cu[i + 1] - cu[i]) + (row - cu[i]);  // the row's position in its sequence
+    const int hi = std::min(pos + 1, s.pages_per_seq * s.page_size);
+    const int lo = win > 0 ? std::max(0, pos - win + 1) : 0;
+    AttendRow(s, qp + row * row_size, pages, tables + static_cast<size_t>(i) * s.pages_per_seq, h, lo, hi,
+              sm_scale, soft_cap, op + row * row_size);
+  };
+  const int units = static_cast<int>(live.size()) * s.kv_heads;
+  int keys = 0;
+  for (int i = 0; i < seqs; ++i) keys += lens[i];
+  if (static_cast<long>(keys) * s.q_heads < 65536) {  // too little work to share out
+    for (int u = 0; u < units; ++u) unit(u);
+  } else {
+    ParallelFor(pool, units, unit);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxserve
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, jaxserve::RaggedPagedAttention,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // q
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // kv_pages
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // kv_lens
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // page_indices
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // cu_q_lens
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // num_seqs
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // window
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // out

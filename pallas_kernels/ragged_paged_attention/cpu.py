@@ -1,0 +1,55 @@
+"""Ragged paged attention on a CPU: the native kernel (cpu.cc) for steps of few query rows, the
+pure-jnp reference for the rest. The same signature and values as reference.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import native
+from pallas_kernels.ragged_paged_attention import reference
+
+# Query rows up to which a step's attention runs natively: its cost grows with rows times context,
+# the reference's with the chunks it loops over, which only pay off for prefill's many rows.
+CPU_KERNEL_MAX_ROWS = 16
+
+
+def kernel_applies(q: jax.Array, kv_pages: jax.Array, k_scale, v_scale) -> bool:
+    """float32 rows and pages (a quantized pool runs the reference), few rows, one CPU device."""
+    if q.shape[0] > CPU_KERNEL_MAX_ROWS or q.dtype != jnp.float32 or kv_pages.dtype != jnp.float32:
+        return False
+    if k_scale is not None or v_scale is not None:
+        return False
+    if jax.default_backend() != "cpu" or not native.loaded():
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
+    kv_pages: jax.Array,  # [num_pages, 2 * num_kv_heads, page_size, head_dim]
+    kv_lens: jax.Array,  # [max_num_seqs] int32
+    page_indices: jax.Array,  # [max_num_seqs, pages_per_seq] int32
+    cu_q_lens: jax.Array,  # [max_num_seqs + 1] int32
+    num_seqs: jax.Array,  # [1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
+) -> jax.Array:  # [num_tokens, num_q_heads, head_dim]
+    if not kernel_applies(q, kv_pages, k_scale, v_scale):
+        return reference.ragged_paged_attention(
+            q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+            sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    call = jax.ffi.ffi_call("jaxserve_ragged_paged_attention", out, vmap_method="sequential")
+    return call(
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, window,
+        sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
+    )  # fmt: skip

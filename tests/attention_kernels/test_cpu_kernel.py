@@ -1,0 +1,94 @@
+"""The native CPU attention kernel (pallas_kernels/ragged_paged_attention/cpu.cc) against dense
+numpy attention, on the batches every implementation is checked on, and the dispatch that picks
+it: few float32 rows on one CPU device run the kernel, everything else the reference."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_kernels.attention_cases import F32_TOL, MIXES, PADDED_LAYOUT, build_case
+
+from pallas_kernels import native
+from pallas_kernels.ragged_paged_attention import cpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    assert native.load(), "the native CPU kernels did not build (see the log)"
+
+
+def _case(rng, seqs, group=3, head_dim=64, page_size=16, max_num_seqs=8, num_tokens=cpu.CPU_KERNEL_MAX_ROWS):
+    layout = {**PADDED_LAYOUT, "num_tokens": num_tokens}  # rows past the sequences: padding
+    return build_case(
+        rng, seqs, num_q_heads=2 * group, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
+        max_num_seqs=max_num_seqs, **layout,
+    )  # fmt: skip
+
+
+def _run(case, **kw):
+    fn = jax.jit(functools.partial(cpu.ragged_paged_attention, sm_scale=case.sm_scale, **kw))
+    text = fn.lower(*case.args).as_text()
+    assert "jaxserve_ragged_paged_attention" in text  # the kernel ran, not the reference
+    return np.asarray(fn(*case.args))
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_decodes_match_dense(group, head_dim, page_size):
+    rng = np.random.default_rng(group * 100 + head_dim + page_size)
+    case = _case(rng, MIXES["decode"](page_size), group, head_dim, page_size)
+    np.testing.assert_allclose(_run(case), case.expected(), **F32_TOL)
+
+
+def test_a_few_prefill_rows_and_padding_rows():
+    """Chunks of several rows attend causally; padding rows (NaN here) come out zero."""
+    rng = np.random.default_rng(7)
+    case = build_case(
+        rng, [(40, 3), (0, 5), (17, 1)], num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=16,
+        max_num_seqs=4, num_tokens=12, nan_padding=True, write_new_kv=True,
+    )  # fmt: skip
+    out = _run(case)
+    np.testing.assert_allclose(out[:9], case.expected()[:9], **F32_TOL)
+    assert np.all(out[9:] == 0.0)
+
+
+@pytest.mark.parametrize("window, cap", [(7, None), (None, 5.0), (20, 2.0), (10**6, None)])
+def test_sliding_window_and_soft_cap(window, cap):
+    rng = np.random.default_rng(1)
+    case = _case(rng, [(40, 1), (3, 2), (25, 4)])
+    np.testing.assert_allclose(
+        _run(case, sliding_window=window, soft_cap=cap), case.expected(window, cap), **F32_TOL
+    )
+
+
+def test_traced_window_as_a_model_scanning_layers_passes_it():
+    rng = np.random.default_rng(2)
+    case = _case(rng, [(60, 1), (33, 1)])
+
+    def per_layer(window):
+        return cpu.ragged_paged_attention(*case.args, sm_scale=case.sm_scale, sliding_window=window)
+
+    outs = jax.jit(lambda w: jax.lax.map(per_layer, w))(jnp.asarray([9, 2**30], jnp.int32))
+    np.testing.assert_allclose(np.asarray(outs[0]), case.expected(9), **F32_TOL)
+    np.testing.assert_allclose(np.asarray(outs[1]), case.expected(), **F32_TOL)
+
+
+def test_what_runs_the_reference():
+    """Many rows, quantized pages and bfloat16 rows are the reference's (same values either way)."""
+    rng = np.random.default_rng(3)
+    many = _case(rng, [(5, 20)], num_tokens=cpu.CPU_KERNEL_MAX_ROWS + 8)
+    scaled = _case(rng, [(5, 1)]).quantized(jnp.int8, 0.05, 0.05)
+    half = _case(rng, [(5, 1)])
+    half = type(half)(
+        **{**half.__dict__, "q": half.q.astype(jnp.bfloat16), "kv": half.kv.astype(jnp.bfloat16)}
+    )
+    for case in (many, scaled, half):
+        assert not cpu.kernel_applies(case.q, case.kv, case.k_scale, case.v_scale)
+    assert cpu.kernel_applies(half.q.astype(jnp.float32), half.kv.astype(jnp.float32), None, None)
+    out = jax.jit(functools.partial(cpu.ragged_paged_attention, sm_scale=many.sm_scale))(*many.args)
+    np.testing.assert_allclose(np.asarray(out), many.expected(), **F32_TOL)
