@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.sharding import LOGICAL_AXIS_RULES
-from pallas_kernels.quantized_matmul import q4_matmul
+from pallas_kernels.quantized_matmul import q4_matmuls
 
 # --quantization -> (stored dtype, largest magnitude it holds)
 WEIGHT_QUANTIZATIONS: dict[str, tuple[np.dtype, float]] = {
@@ -187,7 +187,10 @@ def linears(
     the products for all slots, masked per row (a few slots of a small rank cost a fraction of
     the projection), no gather and no recompile whatever the mix; the projections' A share one
     matmul."""
-    ys = [_project(x, w, name) for name in names]
+    if len(names) > 1 and all(_is_q4(w, name) for name in names):
+        ys = _q4_projections(x, w, names)
+    else:
+        ys = [_project(x, w, name) for name in names]
     lora_a = w.get(f"{''.join(names)}_proj_lora_a")
     if lora_a is not None and lora is not None:
         xa = jnp.einsum("ti,sipr->tpsr", x.astype(jnp.float32), lora_a) * lora[:, None, :, None]
@@ -213,13 +216,25 @@ def _project(x: jax.Array, w: Mapping[str, jax.Array], name: str) -> jax.Array:
     if scale.ndim == kernel.ndim:  # int8 or fp8 in groups of inputs: q8, int8/N, fp8/N
         return jnp.dot(x.astype(jnp.float32), _groups(kernel, scale, None)).astype(x.dtype)
     # q4: two 4-bit values a byte, each nibble a half of the groups (pallas_kernels/quantized_matmul)
-    names = (f"{name}_proj", f"{name}_proj{SCALE_SUFFIX}", f"{name}_proj{MIN_SUFFIX}")
-    if isinstance(w, LayerWeights):  # the whole stack and the layer's index: no copy of the slice
-        stacks, index = [w.stack(n) for n in names], w.index
+    return _q4_projections(x, w, (name,))[0]
+
+
+def _is_q4(w: Mapping[str, jax.Array], name: str) -> bool:
+    return f"{name}_proj{MIN_SUFFIX}" in w
+
+
+def _q4_projections(x: jax.Array, w: Mapping[str, jax.Array], names: tuple[str, ...]) -> list[jax.Array]:
+    """x @ each q4 projection of `names`, in one kernel call where the kernel runs."""
+    suffixes = ("", SCALE_SUFFIX, MIN_SUFFIX)
+    if isinstance(w, LayerWeights):  # the whole stacks and the layer's index: no copy of the slice
+        stacks = [tuple(w.stack(f"{n}_proj{s}") for s in suffixes) for n in names]
+        index = w.index
     else:
-        stacks, index = [w[n][None] for n in names], jnp.int32(0)
+        stacks = [tuple(w[f"{n}_proj{s}"][None] for s in suffixes) for n in names]
+        index = jnp.int32(0)
     flat = x.reshape(-1, x.shape[-1])
-    return q4_matmul(flat, *stacks, index).reshape(*x.shape[:-1], -1).astype(x.dtype)
+    ys = q4_matmuls(flat.astype(jnp.float32), stacks, index)
+    return [y.reshape(*x.shape[:-1], -1).astype(x.dtype) for y in ys]
 
 
 class LayerWeights(Mapping):
@@ -233,6 +248,9 @@ class LayerWeights(Mapping):
 
     def __getitem__(self, name: str) -> jax.Array:
         return self._stacked[name][self.index]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._stacked
 
     def __iter__(self):
         return iter(self._stacked)

@@ -3,6 +3,8 @@ pays, else the pure-jnp reference. See reference.py for the layout, cpu.cc for t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 
@@ -26,6 +28,19 @@ def cpu_kernel_applies(x: jax.Array) -> bool:
     return mesh.empty or mesh.size == 1
 
 
+def q4_matmuls(
+    x: jax.Array,  # [rows, k]
+    stacks: Sequence[tuple[jax.Array, jax.Array, jax.Array]],  # per projection (packed, scale, mins)
+    layer: jax.Array,  # [] int32
+) -> list[jax.Array]:  # per projection [rows, n] float32
+    """x @ W for projections that read the same x (q, k, v; gate, up): one call of the kernel."""
+    if not cpu_kernel_applies(x) or any(packed.shape[-1] % 64 for packed, _, _ in stacks):
+        return [q4_matmul_reference(x, *stack, layer) for stack in stacks]
+    outs = [jax.ShapeDtypeStruct((x.shape[0], packed.shape[-1]), jnp.float32) for packed, _, _ in stacks]
+    call = jax.ffi.ffi_call("jaxserve_q4_matmul", outs, vmap_method="sequential")
+    return list(call(x, jnp.asarray(layer, jnp.int32), *(a for stack in stacks for a in stack)))
+
+
 def q4_matmul(
     x: jax.Array,  # [rows, k]
     packed: jax.Array,  # [layers, k / 2, n] uint8
@@ -33,8 +48,4 @@ def q4_matmul(
     mins: jax.Array,  # [layers, k / 64, 2, n] float32
     layer: jax.Array,  # [] int32
 ) -> jax.Array:  # [rows, n] float32
-    if not cpu_kernel_applies(x) or packed.shape[-1] % 64:
-        return q4_matmul_reference(x, packed, scale, mins, layer)
-    out = jax.ShapeDtypeStruct((x.shape[0], packed.shape[-1]), jnp.float32)
-    call = jax.ffi.ffi_call("jaxserve_q4_matmul", out, vmap_method="sequential")
-    return call(x, packed, scale, mins, jnp.asarray(layer, jnp.int32))
+    return q4_matmuls(x, [(packed, scale, mins)], layer)[0]

@@ -9,9 +9,11 @@
 // multiply-add per weight on the unpacked nibbles, and the scale and min apply once per group.
 // The reference: quantized_matmul/reference.py, q4_matmul_reference (same arguments).
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "native.h"
 
@@ -57,14 +59,21 @@ void Q4Block(const float* x, const float* xsum, int k, int n, const uint8_t* q, 
   for (int r = 0; r < R; ++r) std::memcpy(y + static_cast<size_t>(r) * n + c0, acc[r], sizeof(acc[r]));
 }
 
-// The rows in chunks of R (the last one padded with zero rows), the columns in blocks of kCols
-// shared among the threads.
+// One projection of the call: its layer's bytes, scales and mins, its width, its output.
+struct Projection {
+  const uint8_t* q;
+  const float* scale;
+  const float* mins;
+  int n;
+  float* y;
+};
+
+// The rows in chunks of R (the last one padded with zero rows), every projection's columns in
+// blocks of kCols: all the units of the call shared among the threads.
 template <int R, int C>
-void Q4Rows(ffi::ThreadPool& pool, const float* x, int rows, int k, int n, const uint8_t* q,
-            const float* scale, const float* mins, float* y) {
-  const int groups = k / kGroup, chunks = (rows + R - 1) / R, blocks = n / kCols;
+void Q4Rows(ffi::ThreadPool& pool, const float* x, int rows, int k, const std::vector<Projection>& projs) {
+  const int groups = k / kGroup, chunks = (rows + R - 1) / R;
   std::unique_ptr<float[]> xs(new float[static_cast<size_t>(chunks) * R * (k + groups)]());
-  std::unique_ptr<float[]> ys(new float[static_cast<size_t>(chunks) * R * n]);
   float* xpad = xs.get();
   float* xsum = xpad + static_cast<size_t>(chunks) * R * k;
   std::memcpy(xpad, x, sizeof(float) * rows * k);
@@ -74,38 +83,60 @@ void Q4Rows(ffi::ThreadPool& pool, const float* x, int rows, int k, int n, const
       for (int i = 0; i < kGroup; ++i) s += x[r * k + g * kGroup + i];
       xsum[r * groups + g] = s;
     }
-  ParallelFor(pool, blocks * chunks, [&](int unit) {
-    const int chunk = unit / blocks, c0 = (unit % blocks) * kCols;
+  std::vector<int> first_unit;  // each projection's first unit
+  std::vector<std::unique_ptr<float[]>> padded;  // outputs of whole row chunks, when rows fall short
+  int units = 0;
+  for (const Projection& p : projs) {
+    first_unit.push_back(units);
+    units += chunks * (p.n / kCols);
+    padded.emplace_back(rows % R ? new float[static_cast<size_t>(chunks) * R * p.n] : nullptr);
+  }
+  ParallelFor(pool, units, [&](int unit) {
+    const int j = static_cast<int>(std::upper_bound(first_unit.begin(), first_unit.end(), unit) - first_unit.begin()) - 1;
+    const Projection& p = projs[j];
+    const int blocks = p.n / kCols, local = unit - first_unit[j];
+    const int chunk = local / blocks, c0 = (local % blocks) * kCols;
+    float* y = (padded[j] ? padded[j].get() : p.y) + static_cast<size_t>(chunk) * R * p.n;
     for (int c = 0; c < kCols; c += C)
-      Q4Block<R, C>(xpad + chunk * R * k, xsum + chunk * R * groups, k, n, q, scale, mins,
-                    ys.get() + static_cast<size_t>(chunk) * R * n, c0 + c);
+      Q4Block<R, C>(xpad + chunk * R * k, xsum + chunk * R * groups, k, p.n, p.q, p.scale, p.mins, y, c0 + c);
   });
-  std::memcpy(y, ys.get(), sizeof(float) * rows * n);
+  for (size_t j = 0; j < projs.size(); ++j)
+    if (padded[j]) std::memcpy(projs[j].y, padded[j].get(), sizeof(float) * rows * projs[j].n);
 }
 
-ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
-                    ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mins, ffi::Buffer<ffi::S32> layer,
-                    ffi::ResultBuffer<ffi::F32> y) {
-  // x [rows, k]; packed [layers, k / 2, n]; scale, mins [layers, k / 64, 2, n]; layer [] -> y [rows, n]
-  const auto xd = x.dimensions(), pd = packed.dimensions();
-  if (xd.size() != 2 || pd.size() != 3 || scale.dimensions().size() != 4)
-    return ffi::Error::InvalidArgument("q4_matmul: x must be [rows, k], packed [layers, k / 2, n]");
-  const int rows = static_cast<int>(xd[0]), k = static_cast<int>(xd[1]);
-  const int layers = static_cast<int>(pd[0]), n = static_cast<int>(pd[2]);
-  if (pd[1] * 2 != k || k % 64 || n % kCols)
-    return ffi::Error::InvalidArgument("q4_matmul: k must be a multiple of 64 and n of 64");
-  const int l = layer.typed_data()[0];
-  if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("q4_matmul: layer out of range");
-  const uint8_t* q = packed.typed_data() + static_cast<size_t>(l) * (k / 2) * n;
-  const float* s = scale.typed_data() + static_cast<size_t>(l) * (k / kGroup) * n;
-  const float* m = mins.typed_data() + static_cast<size_t>(l) * (k / kGroup) * n;
+// x [rows, k]; layer []; then per projection packed [layers, k / 2, n], scale and mins
+// [layers, k / 64, 2, n] (remaining arguments, in threes) -> per projection y [rows, n]. Projections
+// that read the same x (q, k, v; gate, up) go in one call: one pass over x, one share-out.
+ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                    ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || args.size() != 3 * rets.size() || rets.size() == 0)
+    return ffi::Error::InvalidArgument("q4_matmul: x [rows, k], then packed, scale, mins per output");
+  const int rows = static_cast<int>(xd[0]), k = static_cast<int>(xd[1]), l = layer.typed_data()[0];
+  if (k % 64) return ffi::Error::InvalidArgument("q4_matmul: k must be a multiple of 64");
+  std::vector<Projection> projs;
+  for (size_t j = 0; j < rets.size(); ++j) {
+    auto packed = args.get<ffi::Buffer<ffi::U8>>(3 * j);
+    auto scale = args.get<ffi::Buffer<ffi::F32>>(3 * j + 1);
+    auto mins = args.get<ffi::Buffer<ffi::F32>>(3 * j + 2);
+    auto y = rets.get<ffi::Buffer<ffi::F32>>(j);
+    if (!packed.has_value() || !scale.has_value() || !mins.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("q4_matmul: packed must be uint8, scale, mins and y float32");
+    const auto pd = packed->dimensions();
+    if (pd.size() != 3 || pd[1] * 2 != k || pd[2] % kCols)
+      return ffi::Error::InvalidArgument("q4_matmul: packed must be [layers, k / 2, n], n a multiple of 64");
+    const int layers = static_cast<int>(pd[0]), n = static_cast<int>(pd[2]);
+    if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("q4_matmul: layer out of range");
+    projs.push_back({packed->typed_data() + static_cast<size_t>(l) * (k / 2) * n,
+                     scale->typed_data() + static_cast<size_t>(l) * (k / kGroup) * n,
+                     mins->typed_data() + static_cast<size_t>(l) * (k / kGroup) * n, n, (*y)->typed_data()});
+  }
   const float* xp = x.typed_data();
-  float* yp = y->typed_data();
   if (rows == 0) return ffi::Error::Success();
-  if (rows == 1) Q4Rows<1, 64>(pool, xp, rows, k, n, q, s, m, yp);
-  else if (rows == 2) Q4Rows<2, 64>(pool, xp, rows, k, n, q, s, m, yp);
-  else if (rows <= 4) Q4Rows<4, 32>(pool, xp, rows, k, n, q, s, m, yp);
-  else Q4Rows<8, 16>(pool, xp, rows, k, n, q, s, m, yp);
+  if (rows == 1) Q4Rows<1, 64>(pool, xp, rows, k, projs);
+  else if (rows == 2) Q4Rows<2, 64>(pool, xp, rows, k, projs);
+  else if (rows <= 4) Q4Rows<4, 32>(pool, xp, rows, k, projs);
+  else Q4Rows<8, 16>(pool, xp, rows, k, projs);
   return ffi::Error::Success();
 }
 
@@ -115,9 +146,7 @@ ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQ4Matmul, jaxserve::Q4Matmul,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // x
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // packed
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // scale
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // mins
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // layer
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // y
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // x
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // layer
+                                  .RemainingArgs()                         // (packed, scale, mins) each
+                                  .RemainingRets());                       // y each

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import native
-from pallas_kernels.quantized_matmul import CPU_KERNEL_MAX_ROWS, cpu_kernel_applies, q4_matmul
+from pallas_kernels.quantized_matmul import CPU_KERNEL_MAX_ROWS, cpu_kernel_applies, q4_matmul, q4_matmuls
 from pallas_kernels.quantized_matmul.reference import q4_matmul_reference
 
 
@@ -38,7 +38,7 @@ def _dense(packed, scale, mins, layer):
 def _ffi(x, packed, scale, mins, layer):
     """The kernel alone, for any row count."""
     out = jax.ShapeDtypeStruct((x.shape[0], packed.shape[-1]), jnp.float32)
-    return jax.ffi.ffi_call("jaxserve_q4_matmul", out)(x, packed, scale, mins, jnp.int32(layer))
+    return jax.ffi.ffi_call("jaxserve_q4_matmul", [out])(x, jnp.int32(layer), packed, scale, mins)[0]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 16])
@@ -68,6 +68,20 @@ def test_dispatch_runs_the_kernel_for_few_rows_inside_a_layer_scan():
     for layer in range(4):
         want = x.astype(np.float64) @ _dense(packed, scale, mins, layer)
         np.testing.assert_allclose(got[layer], want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_projections_of_one_input_in_one_call(rows):
+    """q, k, v (or gate, up) of different widths read the same x in one call; each output right."""
+    rng = np.random.default_rng(rows)
+    stacks = [_stack(rng, 2, 576, n) for n in (576, 192, 64)]
+    x = rng.standard_normal((rows, 576)).astype(np.float32)
+    fn = jax.jit(lambda x: q4_matmuls(x, [tuple(map(jnp.asarray, s)) for s in stacks], jnp.int32(1)))
+    assert fn.lower(x).as_text().count("jaxserve_q4_matmul") == 1
+    for got, stack in zip(fn(x), stacks, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(got), x.astype(np.float64) @ _dense(*stack, 1), rtol=1e-5, atol=1e-4
+        )
 
 
 def test_more_rows_and_other_dtypes_run_the_reference():
