@@ -10,10 +10,11 @@ lax.scan, so compile time does not grow with depth. The KV pool of all layers is
 array carried through the scan and updated in place. Logits are computed only for the
 rows the sampler needs.
 
-The price of the scan on XLA:CPU: each layer's weight slice is copied out of the stack
-before its matmuls. Per-layer arrays in an unrolled Python loop avoid the copy and were
-measured ~20% faster per SmolLM2 decode step, but compiled ~5x slower (24 s against 5 s
-per bucket), so the scan stays.
+Each layer reads its weights out of the stacks by its index (LayerWeights), so that a native
+kernel can take a whole stack and the index (pallas_kernels/quantized_matmul). The price of the
+scan on XLA:CPU: a float32 or int8 layer's slice is copied out of the stack before its dots
+(benchmarks/decode_profile.py shows it); per-layer arrays in an unrolled loop avoid the copy but
+compiled ~5x slower (24 s against 5 s per bucket), so the scan stays.
 """
 
 from __future__ import annotations
