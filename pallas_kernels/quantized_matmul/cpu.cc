@@ -22,6 +22,9 @@ namespace {
 
 constexpr int kGroup = 32;  // inputs per scale and min
 constexpr int kCols = 64;   // output columns per unit of work: one cache line of each byte row
+// Byte rows read ahead. A unit reads one cache line per row, rows n bytes apart: the hardware's
+// stride prefetchers stop at each 4 KiB page, which rows of a wide kernel cross every few rows.
+constexpr int kAhead = 16;
 
 // y[r, c0:c0 + C] for R rows of x. The R * C partial sums of both nibbles stay in registers, so C
 // shrinks as R grows.
@@ -35,6 +38,7 @@ void Q4Block(const float* x, const float* xsum, int k, int n, const uint8_t* q, 
     const uint8_t* qb = q + static_cast<size_t>(b) * 32 * n + c0;
     for (int i = 0; i < 32; ++i) {
       const uint8_t* qr = qb + static_cast<size_t>(i) * n;
+      if (32 * b + i + kAhead < k / 2) __builtin_prefetch(qr + static_cast<size_t>(kAhead) * n);
       float wl[C], wh[C];
       for (int c = 0; c < C; ++c) {
         wl[c] = static_cast<float>(qr[c] & 15);

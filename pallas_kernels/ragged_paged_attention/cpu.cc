@@ -17,26 +17,55 @@
 namespace jaxserve {
 namespace {
 
+// e^x for x <= 0 (scores less their maximum) in a form the compiler vectorizes, unlike expf:
+// x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor polynomial to r^7 (relative error < 2e-7,
+// as expf's float result), 2^n put into the exponent bits; below -87, 0.
+inline float ExpNonPositive(float x) {
+  const float n = __builtin_roundf(x * 1.44269504f);
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.98412698e-4f;
+  p = p * r + 1.38888889e-3f;
+  p = p * r + 8.33333333e-3f;
+  p = p * r + 4.16666667e-2f;
+  p = p * r + 1.66666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  const float scaled = p * __builtin_bit_cast(float, bits);
+  return x < -87.0f ? 0.0f : scaled;
+}
+
 struct Shapes {
   int rows, q_heads, head_dim, num_pages, kv_heads, page_size, max_seqs, pages_per_seq;
 };
+
+// Calls fn(j, key or value row) for the positions lo + j < hi of a sequence, page by page (no
+// division per key). `which`: 0 keys, 1 values.
+template <typename F>
+inline void ForEachRow(const Shapes& s, const float* pages, const int32_t* table, int h, int which, int lo,
+                       int hi, const F& fn) {
+  const size_t tile = static_cast<size_t>(s.page_size) * s.head_dim;  // one (page, head, k|v) tile
+  for (int pos = lo; pos < hi;) {
+    const int index = pos / s.page_size, end = std::min(hi, (index + 1) * s.page_size);
+    const int id = table[index];
+    const size_t page = static_cast<size_t>(id < 0 || id >= s.num_pages ? 0 : id);  // padding: page 0
+    const float* row = pages + (page * 2 * s.kv_heads + 2 * h + which) * tile +
+                       static_cast<size_t>(pos % s.page_size) * s.head_dim;
+    for (; pos < end; ++pos, row += s.head_dim) fn(pos - lo, row);
+  }
+}
 
 // One query row (its `group` query heads sharing KV head h) against keys [lo, hi) of its sequence.
 void AttendRow(const Shapes& s, const float* q, const float* pages, const int32_t* table, int h,
                int lo, int hi, float sm_scale, float soft_cap, float* out) {
   const int d = s.head_dim, group = s.q_heads / s.kv_heads, n = hi - lo;
-  std::vector<float> scores(static_cast<size_t>(group) * (n > 0 ? n : 1));
-  const size_t tile = static_cast<size_t>(s.page_size) * d;  // one (page, head, k|v) tile
-  auto page = [&](int pos) -> size_t {
-    const int id = table[pos / s.page_size];
-    return static_cast<size_t>(id < 0 || id >= s.num_pages ? 0 : id);
-  };
-  for (int j = 0; j < n; ++j) {
-    const int pos = lo + j;
-    const float* key = pages + (page(pos) * 2 * s.kv_heads + 2 * h) * tile +
-                       static_cast<size_t>(pos % s.page_size) * d;
+  thread_local std::vector<float> scores;
+  scores.resize(static_cast<size_t>(group) * (n > 0 ? n : 1));
+  const float* qh = q + static_cast<size_t>(h) * group * d;
+  ForEachRow(s, pages, table, h, 0, lo, hi, [&](int j, const float* key) {
     for (int g = 0; g < group; ++g) {
-      const float* qg = q + static_cast<size_t>(h * group + g) * d;
+      const float* qg = qh + static_cast<size_t>(g) * d;
       float dot = 0;
 #pragma omp simd reduction(+ : dot)
       for (int e = 0; e < d; ++e) dot += qg[e] * key[e];
@@ -44,25 +73,27 @@ void AttendRow(const Shapes& s, const float* q, const float* pages, const int32_
       if (soft_cap > 0) dot = soft_cap * std::tanh(dot / soft_cap);
       scores[static_cast<size_t>(g) * n + j] = dot;
     }
-  }
+  });
+  float* o = out + static_cast<size_t>(h) * group * d;
+  std::fill(o, o + static_cast<size_t>(group) * d, 0.0f);
+  if (n <= 0) return;
   for (int g = 0; g < group; ++g) {
     float* sg = scores.data() + static_cast<size_t>(g) * n;
-    float* o = out + static_cast<size_t>(h * group + g) * d;
-    for (int e = 0; e < d; ++e) o[e] = 0;
-    if (n <= 0) continue;
     float m = -std::numeric_limits<float>::infinity(), total = 0;
     for (int j = 0; j < n; ++j) m = std::max(m, sg[j]);
-    for (int j = 0; j < n; ++j) total += (sg[j] = std::exp(sg[j] - m));
+#pragma omp simd reduction(+ : total)
+    for (int j = 0; j < n; ++j) total += (sg[j] = ExpNonPositive(sg[j] - m));
     const float inv = 1.0f / total;
-    for (int j = 0; j < n; ++j) {
-      const int pos = lo + j;
-      const float* value = pages + (page(pos) * 2 * s.kv_heads + 2 * h + 1) * tile +
-                           static_cast<size_t>(pos % s.page_size) * d;
-      const float p = sg[j] * inv;
-#pragma omp simd
-      for (int e = 0; e < d; ++e) o[e] += p * value[e];
-    }
+    for (int j = 0; j < n; ++j) sg[j] *= inv;
   }
+  ForEachRow(s, pages, table, h, 1, lo, hi, [&](int j, const float* value) {
+    for (int g = 0; g < group; ++g) {
+      const float p = scores[static_cast<size_t>(g) * n + j];
+      float* og = o + static_cast<size_t>(g) * d;
+#pragma omp simd
+      for (int e = 0; e < d; ++e) og[e] += p * value[e];
+    }
+  });
 }
 
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv_pages,
@@ -107,7 +138,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   const int units = static_cast<int>(live.size()) * s.kv_heads;
   int keys = 0;
   for (int i = 0; i < seqs; ++i) keys += lens[i];
-  if (static_cast<long>(keys) * s.q_heads < 65536) {  // too little work to share out
+  if (static_cast<long>(keys) * s.q_heads < 4096) {  // too little work to share out
     for (int u = 0; u < units; ++u) unit(u);
   } else {
     ParallelFor(pool, units, unit);
