@@ -238,28 +238,42 @@ def _q4_projections(x: jax.Array, w: Mapping[str, jax.Array], names: tuple[str, 
 
 
 class LayerWeights(Mapping):
-    """One decoder layer's weights out of their stacks ([layers, ...] each), as a mapping: w[name]
-    is the layer's slice; `stack(name)` and `index` hand a kernel the whole stack and the layer, so
-    that XLA does not copy the slice out before a custom call."""
+    """One decoder layer's weights as a mapping, w[name] its slice of the stack [layers, ...]: most
+    come sliced by the layer scan (`sliced`), a 4-bit kernel's stacks whole with the layer's index
+    (`stacks`, `index`), so that XLA copies no slice out before the native kernel's call."""
 
-    def __init__(self, stacked: Mapping[str, jax.Array], index: jax.Array):
-        self._stacked = stacked
+    def __init__(self, sliced: Mapping[str, jax.Array], stacks: Mapping[str, jax.Array], index: jax.Array):
+        self._sliced, self._stacks = sliced, stacks
         self.index = index  # [] int32
 
+    @staticmethod
+    def split(stacked: Mapping[str, jax.Array]) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+        """The stacks the scan slices, and those a kernel takes whole (each 4-bit projection's)."""
+        whole = {
+            name + suffix
+            for name in stacked
+            if name.endswith("_proj") and name + MIN_SUFFIX in stacked
+            for suffix in ("", SCALE_SUFFIX, MIN_SUFFIX)
+        }
+        return {k: v for k, v in stacked.items() if k not in whole}, {k: stacked[k] for k in whole}
+
     def __getitem__(self, name: str) -> jax.Array:
-        return self._stacked[name][self.index]
+        if name in self._sliced:
+            return self._sliced[name]
+        return self._stacks[name][self.index]
 
     def __contains__(self, name: object) -> bool:
-        return name in self._stacked
+        return name in self._sliced or name in self._stacks
 
     def __iter__(self):
-        return iter(self._stacked)
+        yield from self._sliced
+        yield from self._stacks
 
     def __len__(self) -> int:
-        return len(self._stacked)
+        return len(self._sliced) + len(self._stacks)
 
     def stack(self, name: str) -> jax.Array:
-        return self._stacked[name]
+        return self._stacks[name]
 
 
 # An embedding table kept in a GGUF file's Q8_0 groups (`embed_tokens` in "q8"): int8 values

@@ -10,11 +10,11 @@ lax.scan, so compile time does not grow with depth. The KV pool of all layers is
 array carried through the scan and updated in place. Logits are computed only for the
 rows the sampler needs.
 
-Each layer reads its weights out of the stacks by its index (LayerWeights), so that a native
-kernel can take a whole stack and the index (pallas_kernels/quantized_matmul). The price of the
-scan on XLA:CPU: a float32 or int8 layer's slice is copied out of the stack before its dots
-(benchmarks/decode_profile.py shows it); per-layer arrays in an unrolled loop avoid the copy but
-compiled ~5x slower (24 s against 5 s per bucket), so the scan stays.
+The scan slices each layer's weights out of their stacks, except a 4-bit projection's, which
+a native kernel takes whole with the layer's index (LayerWeights, pallas_kernels/quantized_matmul).
+The price of the scan on XLA:CPU: a float32 or int8 layer's slice is copied out of the stack
+before its dots (benchmarks/decode_profile.py shows it); per-layer arrays in an unrolled loop
+avoid the copy but compiled ~5x slower (24 s against 5 s per bucket), so the scan stays.
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ class LlamaForCausalLM(nnx.Module):
         def norm(x, weight):
             return rms_norm(x, weight, a.rms_norm_eps, a.norm_offset)
 
-        # Per-layer inputs of the scan: the layer index (each layer reads its weights out of the
+        # Per-layer inputs of the scan besides the weights: the layer index (a kernel reads its
         # stacks by it), and the window and rope frequencies where layers differ in them.
         xs = {"index": jnp.arange(a.num_layers, dtype=jnp.int32)}
         shared_window, windows = _windows(a.layer_windows)
@@ -253,11 +253,12 @@ class LlamaForCausalLM(nnx.Module):
             freqs = [a.local_inv_freq if w else a.inv_freq for w in a.layer_windows]
             xs["inv_freq"] = jnp.asarray(np.asarray(freqs, np.float32))
 
-        stacked = self.layers.stacked()
+        sliced, whole = LayerWeights.split(self.layers.stacked())
 
-        def layer(carry, per_layer):
+        def layer(carry, xs):
             x, kv_pool = carry
-            w = LayerWeights(stacked, per_layer["index"])
+            layer_weights, per_layer = xs
+            w = LayerWeights(layer_weights, whole, per_layer["index"])
             layer_freq = per_layer.get("inv_freq", inv_freq)
             h = norm(x, w["input_norm"])
             q, k, v = linears(h, w, ("q", "k", "v"), lora)
@@ -294,7 +295,7 @@ class LlamaForCausalLM(nnx.Module):
             x = x + (norm(out, w["mlp_out_norm"]) if a.sandwich_norms else out)
             return (x, kv_pool), None
 
-        (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), xs)
+        (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), (sliced, xs))
         x = norm(x[logits_indices], self.norm.value)
         if a.tie_word_embeddings:
             logits = tied_head(x, self.embed_tokens.value, scale)

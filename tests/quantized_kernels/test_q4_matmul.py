@@ -102,3 +102,17 @@ def test_bad_shapes_are_an_error_not_a_crash():
     x = np.ones((1, 64), np.float32)
     with pytest.raises(Exception, match="layer out of range"):
         np.asarray(jax.jit(_ffi, static_argnums=4)(x, packed, scale, mins, 5))
+
+
+def test_layer_weights_hand_a_kernel_its_stacks_whole_and_slice_the_rest():
+    from jaxserve.layers.linear import LayerWeights
+
+    rng = np.random.default_rng(3)
+    packed, scale, mins = (jnp.asarray(a) for a in _stack(rng, 3, 64, 64))
+    stacked = {"q_proj": packed, "q_proj_scale": scale, "q_proj_min": mins, "input_norm": jnp.ones((3, 64))}
+    sliced, whole = LayerWeights.split(stacked)
+    assert set(whole) == {"q_proj", "q_proj_scale", "q_proj_min"} and set(sliced) == {"input_norm"}
+    w = LayerWeights({k: v[1] for k, v in sliced.items()}, whole, jnp.int32(1))
+    assert w.stack("q_proj") is packed and "q_proj_min" in w and "k_proj" not in w and len(w) == 4
+    for name, value in stacked.items():  # every name reads as layer 1's slice
+        np.testing.assert_array_equal(np.asarray(w[name]), np.asarray(value[1]))
