@@ -117,3 +117,12 @@ def load() -> bool:
 def loaded() -> bool:
     """Whether load() succeeded (without trying to load)."""
     return bool(_state.get("loaded"))
+
+
+def usable_in_trace() -> bool:
+    """Whether the step being traced can call the kernels: on a CPU, with them loaded, for one device
+    (a step sharded over several would have XLA gather every operand of the call to each device)."""
+    if jax.default_backend() != "cpu" or not loaded():
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1

@@ -21,10 +21,7 @@ def kernel_applies(q: jax.Array, kv_pages: jax.Array, k_scale, v_scale) -> bool:
         return False
     if k_scale is not None or v_scale is not None:
         return False
-    if jax.default_backend() != "cpu" or not native.loaded():
-        return False
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh.empty or mesh.size == 1
+    return native.usable_in_trace()
 
 
 def ragged_paged_attention(

@@ -116,3 +116,18 @@ def test_layer_weights_hand_a_kernel_its_stacks_whole_and_slice_the_rest():
     assert w.stack("q_proj") is packed and "q_proj_min" in w and "k_proj" not in w and len(w) == 4
     for name, value in stacked.items():  # every name reads as layer 1's slice
         np.testing.assert_array_equal(np.asarray(w[name]), np.asarray(value[1]))
+
+
+def test_without_a_compiler_the_references_run(monkeypatch, caplog):
+    """A machine with no C++ compiler gets one warning and the jnp path, with the same values."""
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    assert not native.load() and not native.loaded()
+    assert "no C++ compiler" in caplog.text
+    rng = np.random.default_rng(4)
+    stacks = [jnp.asarray(a) for a in _stack(rng, 1, 64, 64)]
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    fn = jax.jit(lambda x: q4_matmul(x, *stacks, jnp.int32(0)))
+    assert "jaxserve_q4_matmul" not in fn.lower(x).as_text()
+    want = x.astype(np.float64) @ _dense(*(np.asarray(a) for a in stacks), 0)
+    np.testing.assert_allclose(np.asarray(fn(x)), want, rtol=1e-5, atol=1e-4)
