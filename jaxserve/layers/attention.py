@@ -2,8 +2,9 @@
 runs ragged paged attention with the backend chosen for the platform.
 
 Every backend has the reference's signature (pallas_kernels/ragged_paged_attention/): the
-pure-jnp reference (CPU: with a native kernel for steps of few rows), the Pallas TPU kernel and the Pallas GPU kernel, the last two also
-in Pallas' interpret mode for checking them on any machine. Which one runs is a static field
+pure-jnp reference (CPU: with a native kernel for steps of few rows), the Pallas TPU kernel and
+the Pallas GPU kernel, the last two also in Pallas' interpret mode for checking them on any
+machine. Which one runs is a static field
 of the AttentionMetadata the runner builds (its `backend`): part of the pytree's structure, so
 a step traced for one backend is never reused for another, and models never name a backend,
 they pass the metadata through.
