@@ -35,6 +35,7 @@ from flax import nnx
 
 from jaxserve.sharding import LOGICAL_AXIS_RULES
 from pallas_kernels.quantized_matmul import q4_matmuls
+from pallas_kernels.quantized_matmul.reference import dequantize_groups
 
 # --quantization -> (stored dtype, largest magnitude it holds)
 WEIGHT_QUANTIZATIONS: dict[str, tuple[np.dtype, float]] = {
@@ -104,15 +105,6 @@ def _grouped_params(rngs: nnx.Rngs, shape, axes, fmt: str) -> dict[str, nnx.Para
         SCALE_SUFFIX: nnx.Param(jnp.full(group_shape, 0.006, jnp.float32), logical_axes=group_axes),
         MIN_SUFFIX: nnx.Param(jnp.full(group_shape, -0.045, jnp.float32), logical_axes=group_axes),
     }
-
-
-def _groups(values: jax.Array, scale: jax.Array, mins: jax.Array | None) -> jax.Array:
-    """Group-quantized values [in, out] with their [in / rows, out] scales (and mins), a scale
-    per `rows` inputs -> float32."""
-    d_in, d_out = values.shape
-    groups = scale.shape[0]
-    w = values.astype(jnp.float32).reshape(groups, d_in // groups, d_out) * scale[:, None]
-    return (w if mins is None else w + mins[:, None]).reshape(d_in, d_out)
 
 
 # Projections that read the same input share one LoRA A parameter, so their (x A) is one matmul
@@ -214,7 +206,7 @@ def _project(x: jax.Array, w: Mapping[str, jax.Array], name: str) -> jax.Array:
             x.dtype
         )
     if scale.ndim == kernel.ndim:  # int8 or fp8 in groups of inputs: q8, int8/N, fp8/N
-        return jnp.dot(x.astype(jnp.float32), _groups(kernel, scale, None)).astype(x.dtype)
+        return jnp.dot(x.astype(jnp.float32), dequantize_groups(kernel, scale)).astype(x.dtype)
     # q4: two 4-bit values a byte, each nibble a half of the groups (pallas_kernels/quantized_matmul)
     return _q4_projections(x, w, (name,))[0]
 

@@ -16,12 +16,13 @@ import jax.numpy as jnp
 GROUP = 32  # inputs per scale and min
 
 
-def _dequantize(values: jax.Array, scale: jax.Array, mins: jax.Array) -> jax.Array:
-    """4-bit values [in, out] with their group scales and mins [in / 32, out] -> float32."""
+def dequantize_groups(values: jax.Array, scale: jax.Array, mins: jax.Array | None = None) -> jax.Array:
+    """Group-quantized values [in, out] with their [in / rows, out] scales (and mins: None for a
+    symmetric format), a scale per `rows` inputs -> float32."""
     d_in, d_out = values.shape
     groups = scale.shape[0]
     w = values.astype(jnp.float32).reshape(groups, d_in // groups, d_out) * scale[:, None]
-    return (w + mins[:, None]).reshape(d_in, d_out)
+    return (w if mins is None else w + mins[:, None]).reshape(d_in, d_out)
 
 
 def q4_matmul_reference(
@@ -35,6 +36,6 @@ def q4_matmul_reference(
     xs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2, GROUP)  # [rows, k / 64, 2, 32]
     halves = [(kernel & 15, xs[..., 0, :]), (kernel >> 4, xs[..., 1, :])]
     return sum(
-        jnp.dot(part.reshape(*x.shape[:-1], -1), _dequantize(nibble, s[:, i], m[:, i]))
+        jnp.dot(part.reshape(*x.shape[:-1], -1), dequantize_groups(nibble, s[:, i], m[:, i]))
         for i, (nibble, part) in enumerate(halves)
     )
