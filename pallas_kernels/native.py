@@ -73,13 +73,13 @@ def library_path(compiler: str) -> str:
     return os.path.join(_cache_dir(), f"jaxserve-cpu-{digest.hexdigest()[:16]}.so")
 
 
-def _build(compiler: str, path: str) -> None:
+def _build(compiler: str, path: str, flags: tuple[str, ...] = FLAGS) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
         sources = [os.path.join(_HERE, s) for s in SOURCES]
-        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{_HERE}", *sources, "-o", tmp]
+        cmd = [compiler, *flags, f"-I{jax.ffi.include_dir()}", f"-I{_HERE}", *sources, "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")

@@ -19,9 +19,11 @@ by another tool (loader/prequantized.py) in int8 or fp8 with a scale per output 
 `fp8`, as above) or per group of N inputs too (`int8/N`, `fp8/N`: scales [..., in / N, out]). 4-bit values are kept two per byte: the byte of row
 64b + t holds that row (low nibble) and row 64b + 32 + t (high nibble), so each nibble is a
 whole group and the two halves of the input feed two dots whose results add
-(pallas_kernels/quantized_matmul: on a CPU, a native kernel for the few rows of a decode step, which
+(pallas_kernels/quantized_matmul: on a CPU, a native kernel with integer products, which
 reads the bytes once instead of XLA's float32 copy of the kernel).
 Their scales and mins are [..., in / 64, 2, out]: pairs of groups, the low nibbles' first.
+Where that kernel runs, the runner puts the loaded stacks in its tiles of 64 output columns
+(tile_q4_stacks): the same bytes, each tile contiguous.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.sharding import LOGICAL_AXIS_RULES
-from pallas_kernels.quantized_matmul import q4_matmuls
+from pallas_kernels.quantized_matmul import TILE, q4_matmuls, tile
 from pallas_kernels.quantized_matmul.reference import dequantize_groups
 
 # --quantization -> (stored dtype, largest magnitude it holds)
@@ -356,6 +358,20 @@ def pack_q4(values: np.ndarray, scale: np.ndarray, mins: np.ndarray):
         return groups.reshape(*lead, d_in // (2 * GROUP), 2, d_out)
 
     return packed.astype(np.uint8), split(scale), split(mins)
+
+
+def tile_q4_stacks(state: nnx.State) -> nnx.State:
+    """A loaded state's 4-bit stacks (those whose width is a multiple of 64) in the native CPU
+    kernel's tiles (pallas_kernels/quantized_matmul/reference.py), each replacing its stack."""
+    flat = dict(nnx.to_flat_state(state))
+    retile = jax.jit(tile, donate_argnums=(0, 1, 2))
+    for path in [p for p in flat if str(p[-1]).endswith(MIN_SUFFIX)]:
+        kernel = path[:-1] + (str(path[-1]).removesuffix(MIN_SUFFIX),)
+        parts = [flat[kernel], flat[kernel[:-1] + (kernel[-1] + SCALE_SUFFIX,)], flat[path]]
+        if parts[0].value.ndim == 3 and parts[0].value.shape[-1] % TILE == 0:
+            for var, value in zip(parts, retile(*(var.value for var in parts))):
+                var.value = value
+    return nnx.from_flat_state(flat)
 
 
 def quantize_kernel(kernel: np.ndarray, quantization: str) -> tuple[np.ndarray, np.ndarray]:

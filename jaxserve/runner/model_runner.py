@@ -29,12 +29,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig, jaxserve_cache_dir
 from jaxserve.layers.attention import pool_head_dim
-from jaxserve.layers.linear import KV_PROJECTIONS, LORA_SUFFIXES, lora_a_members, lora_group
+from jaxserve.layers.linear import KV_PROJECTIONS, LORA_SUFFIXES, lora_a_members, lora_group, tile_q4_stacks
 from jaxserve.loader.model_loader import build_model_args, load_model, repeat_kv_heads
 from jaxserve.lora.adapter import AdapterSpec, LoRAAdapter
 from jaxserve.runner import batch as batch_lib
@@ -121,7 +122,7 @@ class ModelRunner:
         entry, self.args = build_model_args(mc, config.parallel_config, config.lora_config)
         self._model_name = f"{entry.model_cls.__module__}.{entry.model_cls.__qualname__}"
         start = time.perf_counter()
-        self.graphdef, self.state = load_model(mc, self.mesh, config.parallel_config, config.lora_config)
+        self.graphdef, self.state = self._load()
         self._lora_keys = sorted(k for k, _ in self.state.flat_state() if str(k[-1]).endswith(LORA_SUFFIXES))
         self._write_lora = None  # the program that writes an adapter into a slot (see set_lora_slot)
         lora = config.lora_config
@@ -396,9 +397,7 @@ class ModelRunner:
         if self.channel is not None:
             self.channel.publish("wake_up", tuple(tags))
         if "weights" in tags and self._off_device is not None:
-            c = self.config
-            reload = partial(load_model, c.model_config, self.mesh, c.parallel_config, c.lora_config)
-            self.state = self._off_device.restore(self.state, lambda: reload()[1])
+            self.state = self._off_device.restore(self.state, lambda: self._load()[1])
             self._off_device = None
         if "kv_cache" in tags and self.kv_pool.is_deleted():
             self._new_kv_pool()
@@ -437,6 +436,14 @@ class ModelRunner:
             self.kv_scales[:, 0].min(), self.kv_scales[:, 0].max(),
             self.kv_scales[:, 1].min(), self.kv_scales[:, 1].max(),
         )  # fmt: skip
+
+    def _load(self) -> tuple[nnx.GraphDef, nnx.State]:
+        """The model's weights on the mesh; 4-bit stacks in the native kernel's tiles where it runs."""
+        c = self.config
+        graphdef, state = load_model(c.model_config, self.mesh, c.parallel_config, c.lora_config)
+        if self.native_kernels and self.mesh.size == 1:
+            state = tile_q4_stacks(state)
+        return graphdef, state
 
     def _adapter_spec(self, entry, lora) -> AdapterSpec:
         """What adapters this model's LoRA slots take (lora/adapter.py): the projections with

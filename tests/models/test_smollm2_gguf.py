@@ -45,10 +45,12 @@ def test_logits_match_transformers(llm, smollm2_reference, prompts):
     for ids in prompts:
         ours = prompt_logits(runner, ids)
         ref = teacher_forced_logits(smollm2_reference, ids)
-        # 30 float32 layers accumulate in different orders in XLA and torch; logits here
-        # span about +-30 and differ by up to ~2e-4 (measured), ~6e-6 of that scale.
+        # Logits here span about +-30. Served 4-bit on a CPU, the projections multiply x rounded
+        # to int16 per group of 32 (pallas_kernels/quantized_matmul/cpu.cc): logits then differ
+        # by up to ~0.025 (measured), ~8e-4 of that scale (float32 in XLA's order alone: ~2e-4);
+        # a wrong group, nibble or tile would be off by whole units.
         scale = np.abs(ref).max()
-        np.testing.assert_allclose(ours, ref, atol=2e-5 * scale, rtol=0)
+        np.testing.assert_allclose(ours, ref, atol=2e-3 * scale, rtol=0)
 
 
 def test_greedy_tokens_match_transformers(llm, smollm2_reference, prompts):
