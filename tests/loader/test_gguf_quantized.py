@@ -58,8 +58,10 @@ def test_served_in_groups_the_logits_are_the_dequantized_models(quantized_gguf):
     for n in (1, 9, 45):
         ids = rng.integers(3, 200, size=n).tolist()
         want = prompt_logits(plain, ids)  # (logits of this model's unit-variance weights reach ~50)
-        # the native CPU kernel rounds x to int16 per group: up to ~3e-4 of the largest logit here
-        np.testing.assert_allclose(prompt_logits(grouped, ids), want, atol=1e-3 * np.abs(want).max(), rtol=0)
+        # The native CPU kernel rounds x to int16 per group, and this model's unit-variance layers
+        # amplify it: up to ~1.2e-3 of the largest logit here (measured); a wrong group, nibble or
+        # tile would be off by about the logits themselves.
+        np.testing.assert_allclose(prompt_logits(grouped, ids), want, atol=3e-3 * np.abs(want).max(), rtol=0)
     if kind != "Q8_0":  # on this CPU the 4-bit stacks are laid out in the native kernel's tiles
         kernels = [a for p, a in grouped.state.flat_state() if str(p[-1]) in PROJECTIONS]
         tiled = [a.value for a in kernels if a.value.ndim == 4]  # (those 64 outputs wide or more)
