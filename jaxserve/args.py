@@ -28,7 +28,7 @@ from jaxserve.config import (
 )
 from jaxserve.engine.tracing import exporter_class
 from jaxserve.flags import ANY, G, arg, as_dict, check_flag_values, parse_human_int
-from jaxserve.model_resolution import DTYPES, model_config_from_args, platform
+from jaxserve.model_resolution import DTYPES, devices, model_config_from_args, platform
 from jaxserve.reasoning import get_reasoning_parser
 from jaxserve.structured_output.grammar import check_backend
 
@@ -580,15 +580,14 @@ class EngineArgs:
         from jaxserve import distributed
 
         distributed.initialize_from_args(self)
-        import jax
-
         from jaxserve.layers.attention import resolve_attention_backend
 
         backend = resolve_attention_backend(self.attention_backend, platform())
-        if self.tensor_parallel_size * self.data_parallel_size > len(jax.devices()):
+        visible = len(devices())
+        if self.tensor_parallel_size * self.data_parallel_size > visible:
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="
-                f"{self.data_parallel_size} needs that many devices; {len(jax.devices())} visible."
+                f"{self.data_parallel_size} needs that many devices; {visible} visible."
             )
         model_config = model_config_from_args(self)
         max_len = model_config.max_model_len

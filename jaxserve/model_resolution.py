@@ -9,6 +9,7 @@ architecture the registry lacks, and settles the serving dtype and max_model_len
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
 import os
@@ -29,11 +30,34 @@ DTYPES = {
 }
 
 
-def platform() -> str:
-    """The platform of the first device (cpu, tpu, gpu): it picks dtype and size defaults."""
+# Devices a configuration is being built for instead of this process's own (see `targeting`)
+_TARGET_DEVICES: list | None = None
+
+
+def devices() -> list:
+    """The devices the engine's configuration is for: this process's, unless `targeting` others."""
+    if _TARGET_DEVICES is not None:
+        return _TARGET_DEVICES
     import jax
 
-    return jax.devices()[0].platform
+    return jax.devices()
+
+
+def platform() -> str:
+    """The platform of the first device (cpu, tpu, gpu): it picks dtype and size defaults."""
+    return devices()[0].platform
+
+
+@contextlib.contextmanager
+def targeting(target_devices: list):
+    """Build configurations for `target_devices` (e.g. a TPU topology's, which this process only
+    compiles for): the platform's defaults and device counts are theirs while inside."""
+    global _TARGET_DEVICES
+    previous, _TARGET_DEVICES = _TARGET_DEVICES, list(target_devices)
+    try:
+        yield
+    finally:
+        _TARGET_DEVICES = previous
 
 
 def resolve_model_path(

@@ -180,6 +180,29 @@ def load_model(
     return graphdef, nnx.from_flat_state(flat)
 
 
+def abstract_model(
+    model_config: ModelConfig,
+    mesh: Mesh,
+    parallel: ParallelConfig | None = None,
+    lora: LoRAConfig | None = None,
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """What load_model returns, without reading a weight: every parameter a ShapeDtypeStruct with
+    the sharding load_model would place it with (how a step is compiled for devices this process
+    cannot run on, or for a model whose weights are not here)."""
+    entry, args = build_model_args(model_config, parallel, lora)
+    moe = getattr(args, "moe", None)
+    expert_parallel = moe is not None and moe.expert_parallel
+    dtype = jnp.dtype(model_config.dtype)
+    graphdef, abstract = nnx.split(
+        nnx.eval_shape(lambda: entry.model_cls(args, dtype=dtype, rngs=nnx.Rngs(0)))
+    )
+    flat = dict(nnx.to_flat_state(abstract))
+    for var in flat.values():
+        sharding = named_sharding(mesh, var.get_metadata()["logical_axes"], expert_parallel)
+        var.value = jax.ShapeDtypeStruct(var.value.shape, var.value.dtype, sharding=sharding)
+    return graphdef, nnx.from_flat_state(flat)
+
+
 def _load_model(
     model_config: ModelConfig, mesh: Mesh, parallel: ParallelConfig | None = None
 ) -> tuple[nnx.GraphDef, nnx.State]:

@@ -39,16 +39,19 @@ class KVCacheSpec:
         return per_page * self.num_layers
 
 
-def num_blocks_for(spec: KVCacheSpec, cache: CacheConfig, max_useful_blocks: int, mesh: Mesh) -> int:
+def num_blocks_for(
+    spec: KVCacheSpec, cache: CacheConfig, max_useful_blocks: int, mesh: Mesh, memory_stats=None
+) -> int:
     """How many blocks fit: exactly --num-gpu-blocks-override when given; else
     --kv-cache-memory-bytes per device, or what --gpu-memory-utilization leaves on the fullest
     device once the weights are there (each device holds 1/tp of every block: the pool is split
     by KV head), on CPU a fixed host budget (CPU_KV_CACHE_BYTES); capped at what max_num_seqs
-    sequences of max_model_len could ever use."""
+    sequences of max_model_len could ever use. `memory_stats`: the devices' memory_stats() when
+    they cannot be asked (devices of a TPU topology this process only compiles for)."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]  # this host's
-    stats = [d.memory_stats() if d.platform != "cpu" else None for d in devices]
+    stats = memory_stats or [d.memory_stats() if d.platform != "cpu" else None for d in devices]
     per_block = spec.bytes_per_block / mesh.shape["model"]
     if cache.kv_cache_memory_bytes is not None:
         free = cache.kv_cache_memory_bytes

@@ -34,23 +34,21 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig, jaxserve_cache_dir
-from jaxserve.layers.attention import pool_head_dim
 from jaxserve.layers.linear import KV_PROJECTIONS, LORA_SUFFIXES, lora_a_members, lora_group, tile_q4_stacks
 from jaxserve.loader.model_loader import build_model_args, load_model, repeat_kv_heads
 from jaxserve.lora.adapter import AdapterSpec, LoRAAdapter
 from jaxserve.runner import batch as batch_lib
 from jaxserve.runner import kv_scales
 from jaxserve.runner import sleep as sleep_mode
-from jaxserve.runner.bucketing import Buckets
 from jaxserve.runner.executable_cache import ExecutableCache
-from jaxserve.runner.kv_cache import KVCacheSpec, abstract_kv_pool, allocate_kv_pool, num_blocks_for
+from jaxserve.runner.kv_cache import allocate_kv_pool
 from jaxserve.runner.processor_slots import ProcessorSlots
-from jaxserve.runner.step import StepResult, StepVariant, forward, sample_step, step
+from jaxserve.runner.step import StepResult, StepVariant, forward
 from jaxserve.runner.step_cache import StepCache
+from jaxserve.runner.step_programs import StepLayout, StepPrograms, abstract
 from jaxserve.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from jaxserve.sharding import make_mesh
 from pallas_kernels import native
-from pallas_kernels.ragged_paged_attention.reference import is_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -84,14 +82,6 @@ def _stop_compiling_at_exit() -> None:
         runner.stop_compiling()
 
 
-def _abstract(tree, sharding=None):
-    """Shapes, dtypes and shardings only: what lowering needs, safe to read from another thread
-    while the engine donates the real arrays."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding), tree
-    )
-
-
 def bytes_per_device(tree) -> dict:
     """Bytes of the arrays in `tree` held on each (addressable) device."""
     held = collections.Counter()
@@ -113,13 +103,13 @@ class ModelRunner:
         this runner's own."""
         self.config = config
         self.step_cache = step_cache if step_cache is not None else StepCache()
-        mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        sc = config.scheduler_config
         self.mesh = mesh or make_mesh(config.parallel_config.tensor_parallel_size)
         # The native CPU kernels (pallas_kernels/native.py), registered before any step is traced
         # or loaded from the executable store; a step traced without them runs the references.
         self.native_kernels = self.mesh.devices.flat[0].platform == "cpu" and native.load()
         self.executables = enable_compilation_cache(config.compilation_config.cache_dir, self.mesh)
-        entry, self.args = build_model_args(mc, config.parallel_config, config.lora_config)
+        entry, self.args = build_model_args(config.model_config, config.parallel_config, config.lora_config)
         self._model_name = f"{entry.model_cls.__module__}.{entry.model_cls.__qualname__}"
         start = time.perf_counter()
         self.graphdef, self.state = self._load()
@@ -135,25 +125,15 @@ class ModelRunner:
             self.mesh.size,
         )
 
-        self.attention_backend = config.compilation_config.attention_backend
-        self.page_size = cc.block_size
-        self.pages_per_seq = -(-sc.max_model_len // self.page_size)
-        self.kv_spec = KVCacheSpec(
-            num_layers=self.args.num_layers,
-            num_kv_heads=self.args.num_kv_heads,
-            head_dim=pool_head_dim(self.attention_backend, self.args.head_dim),
-            page_size=self.page_size,
-            dtype=jnp.dtype(cc.kv_pool_dtype(mc.dtype)),
-        )
+        self.layout = StepLayout.plan(config, self.args, self.mesh, bool(self._lora_keys))
+        self.attention_backend = self.layout.attention_backend
+        self.kv_spec, self.num_blocks = self.layout.kv_spec, self.layout.num_blocks
+        self.page_size, self.pages_per_seq = self.kv_spec.page_size, self.layout.pages_per_seq
+        self.pad_slot = self.layout.pad_slot
+        self.buckets, self.num_slots = self.layout.buckets, self.layout.num_slots
+        self.num_top_logprobs = self.layout.num_top_logprobs
         # A quantized pool's per-layer key and value scales (runner/kv_scales.py), sent with each step.
-        self.kv_scales = None
-        if is_quantized(self.kv_spec.dtype):
-            platform = self.mesh.devices.flat[0].platform
-            self.kv_scales = kv_scales.initial_scales(
-                config, self.args.num_layers, self.kv_spec.dtype.name, platform
-            )
-        max_useful = sc.max_num_seqs * self.pages_per_seq + 1
-        self.num_blocks = num_blocks_for(self.kv_spec, cc, max_useful, self.mesh)
+        self.kv_scales = self.layout.kv_scales
         kv_tokens = (self.num_blocks - 1) * self.page_size  # block 0 is never handed out
         logger.info(
             "KV cache size: %s tokens; maximum concurrency for %s tokens per request: %.2fx",
@@ -161,38 +141,23 @@ class ModelRunner:
             f"{sc.max_model_len:,}",
             kv_tokens / sc.max_model_len,
         )
-        self.pad_slot = self.num_blocks * self.args.num_layers * self.page_size
-
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
-        self.buckets = Buckets.from_config(sc, config.compilation_config)
-        self.num_slots = sc.max_num_seqs  # one logit-processing slot per running request at most
-        self.num_top_logprobs = self.args.vocab_size if mc.max_logprobs < 0 else max(mc.max_logprobs, 1)
         self.processor_slots = ProcessorSlots(self.num_slots, self.args.vocab_size, self._replicated)
-        # Device programs by (part, variant), compiled on first use: the fused step, or forward + sample_step
-        self._programs = {}
-        k, g = self.num_top_logprobs, self.graphdef
-        for v in StepVariant.all():
-            if v.with_token_bitmask:
-                self._programs["forward", v] = jax.jit(
-                    partial(forward, graphdef=g, variant=v), donate_argnums=(1,)
-                )
-                self._programs["sample", v] = jax.jit(
-                    partial(sample_step, variant=v, num_top_logprobs=k), donate_argnums=(1,)
-                )
-            else:
-                self._programs["step", v] = jax.jit(
-                    partial(step, graphdef=g, variant=v, num_top_logprobs=k), donate_argnums=(1, 2)
-                )
-        self._bitmasks: dict[int, np.ndarray] = {}  # host mask buffers by sequence bucket
-        self._mask_words = (self.args.vocab_size + 31) // 32  # int32 words of one row's mask
         # The last dispatched step's sampled tokens, padded to the largest sequence bucket: what a
         # step fed a token the host does not have yet reads it from.
         self._last_tokens = jax.device_put(np.zeros(self.buckets.seqs[-1], np.int32), self._replicated)
-        self._abstract_last_tokens = _abstract(self._last_tokens)
-        # this runner's steps by (bucket, variant): found without building a StepCache key
-        self._compiled: dict[tuple[tuple[int, int], StepVariant], jax.stages.Compiled] = {}
-        self._abstract_state = _abstract(self.state)
-        self._abstract_pool = abstract_kv_pool(self.kv_spec, self.num_blocks, self.mesh)
+        self._bitmasks: dict[int, np.ndarray] = {}  # host mask buffers by sequence bucket
+        # The step programs, compiled on first use (of a bucket and variant) from shapes alone
+        self.steps = StepPrograms(
+            self.graphdef,
+            abstract(self.state),
+            self.mesh,
+            self.layout,
+            vocab_size=self.args.vocab_size,
+            step_cache=self.step_cache,
+            executables=self.executables,
+            stored_as=(self._model_name, repr(self.args), ("native kernels", self.native_kernels)),
+        )
         # The buckets a step may use: all of them when compiled on demand (enforce_eager), else
         # the ones compiled so far (precompile widens it as the background compiles finish).
         self.ready_buckets = self.buckets
@@ -215,78 +180,12 @@ class ModelRunner:
                 self.precompile()
             self.kv_pool = allocating.result()
 
-    def _dummy_inputs(self, num_tokens: int, num_seqs: int) -> batch_lib.BatchInputs:
-        return self._prepare(SchedulerOutput(seqs=()), (num_tokens, num_seqs))
-
     def _prepare(self, sched: SchedulerOutput, bucket: tuple[int, int]) -> batch_lib.BatchInputs:
-        """The step's host arrays in this runner's layout (pages, KV scales, LoRA slots)."""
-        return batch_lib.prepare(
-            sched,
-            *bucket,
-            self.page_size,
-            self.pages_per_seq,
-            self.pad_slot,
-            self.attention_backend,
-            self.kv_scales,
-            bool(self._lora_keys),
-        )
+        """The step's host arrays in this runner's layout, with the pool's current KV scales."""
+        return self.layout.prepare(sched, bucket, self.kv_scales)
 
     def _compile(self, bucket: tuple[int, int], variant: StepVariant = StepVariant()):
-        """The compiled step of a bucket and variant: one program, or (forward, sample_step) for a
-        variant with a token mask."""
-        compiled = self._compiled.get((bucket, variant))
-        if compiled is None:
-            inputs = _abstract(batch_lib.PackedBatch.pack(self._dummy_inputs(*bucket)), self._replicated)
-            processors = _abstract(self.processor_slots.current()) if variant.with_processor_state else None
-            last = self._abstract_last_tokens
-            if not variant.with_token_bitmask:
-                compiled = self._build(
-                    "step", variant, (self._abstract_state, self._abstract_pool, processors, last, inputs)
-                )
-            else:
-                fwd_args = (self._abstract_state, self._abstract_pool, last, inputs)
-                fwd = self._build("forward", variant, fwd_args)
-                with jax.set_mesh(self.mesh):
-                    logits = jax.eval_shape(self._programs["forward", variant], *fwd_args)[1]
-                logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=fwd.output_shardings[1])
-                bitmask = jax.ShapeDtypeStruct(
-                    (bucket[1], self._mask_words), jnp.int32, sharding=self._replicated
-                )
-                compiled = (fwd, self._build("sample", variant, (logits, processors, inputs, bitmask, last)))
-            self._compiled[(bucket, variant)] = compiled
-        return compiled
-
-    def _build(self, part: str, variant: StepVariant, args: tuple) -> jax.stages.Compiled:
-        # A program is a function of the graph, the part and variant, the top-k width and the
-        # attention backend (also in the inputs' tree structure, as a static field); the arrays'
-        # shapes, dtypes and shardings settle the rest.
-        key = (self.graphdef, part, variant, self.num_top_logprobs, self.attention_backend, jax.tree.structure(args),
-               tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(args)))  # fmt: skip
-        return self.step_cache.get_or_build(key, lambda: self._load_or_compile(key, part, variant, args))
-
-    def _load_or_compile(
-        self, key: tuple, part: str, variant: StepVariant, args: tuple
-    ) -> jax.stages.Compiled:
-        """The program from the executable store when an earlier start compiled it, else traced,
-        lowered and compiled now (and stored)."""
-        if self.executables is None:
-            return self._trace_and_compile(part, variant, args)
-        devices = list(self.mesh.devices.flat)
-        # the graph is the model class applied to its arguments; the rest of the key as text
-        stored_as = (
-            self._model_name, repr(self.args), *map(str, key[1:]),
-            tuple((d.id, d.device_kind) for d in devices), ("native kernels", self.native_kernels),
-        )  # fmt: skip
-        compiled = self.executables.load(stored_as, devices)
-        if compiled is None:
-            compiled = self._trace_and_compile(part, variant, args)
-            self.executables.store(stored_as, compiled)
-        return compiled
-
-    def _trace_and_compile(self, part: str, variant: StepVariant, args: tuple) -> jax.stages.Compiled:
-        # layers that split work by hand (MoE experts) read the mesh
-        with jax.set_mesh(self.mesh):
-            return self._programs[part, variant].lower(*args).compile()
+        return self.steps.compile(bucket, variant)
 
     def precompile(self) -> None:
         """Compile the buckets a first request needs now and the rest in a background thread
@@ -507,7 +406,7 @@ class ModelRunner:
 
     @property
     def num_compiled(self) -> int:
-        return len(self._compiled)
+        return len(self.steps.compiled)
 
     def execute(self, sched: SchedulerOutput, fill_bitmask=None) -> ModelRunnerOutput:
         """Run one step and wait for its results."""
@@ -586,7 +485,7 @@ class ModelRunner:
         """The host's mask buffer of a sequence bucket, reset to all-allowed."""
         buf = self._bitmasks.get(num_seqs)
         if buf is None:
-            buf = self._bitmasks[num_seqs] = np.empty((num_seqs, self._mask_words), np.int32)
+            buf = self._bitmasks[num_seqs] = np.empty((num_seqs, self.steps.mask_words), np.int32)
         buf.fill(-1)
         return buf
 

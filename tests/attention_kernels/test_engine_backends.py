@@ -17,6 +17,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.args import EngineArgs
 from jaxserve.runner.step import StepVariant
 from jaxserve.sampling_params import StructuredOutputsParams
+from jaxserve.scheduler_output import SchedulerOutput
 
 
 @pytest.mark.slow
@@ -102,9 +103,9 @@ def test_step_lowers_for_tpu_and_gpu_with_the_kernels(tmp_path, monkeypatch):
         # step traced with the compiled kernel instead of the interpreted one.
         kw = engine_kwargs(block_size=16, dtype="bfloat16", attention_backend=f"pallas-{backend}-interpret")
         runner = LLM(str(tmp_path), **kw).llm_engine.runner
-        inputs = runner._dummy_inputs(64, 8)
+        inputs = runner.layout.prepare(SchedulerOutput(seqs=()), (64, 8))
         inputs = dataclasses.replace(inputs, meta=dataclasses.replace(inputs.meta, backend=backend))
-        step = runner._programs[
+        step = runner.steps.programs[
             "step", StepVariant()
         ]  # the runner's own step, given the compiled kernel's name
         with jax.set_mesh(runner.mesh):

@@ -217,9 +217,9 @@ def test_no_mask_step_without_a_constrained_row(llm):
     llm.generate("x", SamplingParams(max_tokens=3, structured_outputs=S(regex="[ab]+")), use_tqdm=False)
     runner = llm.llm_engine.runner
     llm.generate(["a", "b"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    before = set(runner._compiled)
+    before = set(runner.steps.compiled)
     llm.generate(["c", "d", "e"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    assert set(runner._compiled) == before
+    assert set(runner.steps.compiled) == before
 
 
 def test_apply_token_bitmask_matches_llguidance_reference():

@@ -17,7 +17,7 @@ import pytest
 from tiny_models import engine_kwargs, run_on_fake_devices
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.runner import model_runner
+from jaxserve.runner import model_runner, step_programs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -56,7 +56,7 @@ def no_tracing(monkeypatch):
     def refuse(self, *args):
         raise AssertionError("a step was traced although it was stored")
 
-    monkeypatch.setattr(model_runner.ModelRunner, "_trace_and_compile", refuse)
+    monkeypatch.setattr(step_programs.StepPrograms, "_trace_and_compile", refuse)
 
 
 def stored(cache_dir: str) -> list[str]:
@@ -97,14 +97,14 @@ TP_SCRIPT = textwrap.dedent(
     """
     import sys
     from jaxserve import LLM, SamplingParams
-    from jaxserve.runner import model_runner
+    from jaxserve.runner import step_programs
     from tiny_models import engine_kwargs
 
     path, cache, mode = sys.argv[1:4]
     if mode == "load":
         def refuse(self, *args):
             raise AssertionError("traced")
-        model_runner.ModelRunner._trace_and_compile = refuse
+        step_programs.StepPrograms._trace_and_compile = refuse
     kwargs = engine_kwargs(tensor_parallel_size=2)
     kwargs["compilation_config"] = {**kwargs["compilation_config"], "cache_dir": cache}
     out = LLM(path, **kwargs).generate(

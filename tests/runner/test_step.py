@@ -57,7 +57,7 @@ def test_one_jitted_step_traced_for_two_backends_runs_each_ones_kernel(tiny_llam
             ScheduledSeq("b", (40, 41, 42), 0, (3,), GREEDY),
         )
     )
-    step = runner._programs["step", StepVariant()]
+    step = runner.steps.programs["step", StepVariant()]
 
     def inputs(backend: str) -> batch_lib.BatchInputs:
         prepared = batch_lib.prepare(
