@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jaxserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
+from jaxserve.sharding import logical_to_spec
 from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.reference import write_kv
 
@@ -133,17 +135,38 @@ def paged_attention(
         pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, kv_pool.shape[-1] - head_dim)))  # noqa: E731
         q, k, v = pad(q), pad(k), pad(v)
     kv_pool = write_kv(kv_pool, k, v, meta.slot_mapping + page_offset * page_size, k_scale, v_scale)
-    out = _kernel(meta.backend)(
-        q,
-        kv_pool,
-        meta.kv_lens,
-        meta.page_indices + page_offset,
-        meta.cu_q_lens,
-        meta.num_seqs,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+    kernel = functools.partial(_kernel(meta.backend), sm_scale=sm_scale, soft_cap=soft_cap)
+    args = (q, kv_pool, meta.kv_lens, meta.page_indices + page_offset, meta.cu_q_lens, meta.num_seqs)
+    scalars = (sliding_window, k_scale, v_scale)
+    if meta.backend == "reference":  # plain XLA: partitioned like any other op
+        out = kernel(*args, **dict(zip(_SCALAR_ARGS, scalars)))
+    else:
+        out = _per_device_heads(kernel, args, scalars)
     return out[..., :head_dim], kv_pool
+
+
+_SCALAR_ARGS = ("sliding_window", "k_scale", "v_scale")
+
+
+def _per_device_heads(kernel, args: tuple, scalars: tuple) -> jax.Array:
+    """A Pallas kernel over the heads of each device: XLA cannot partition a kernel's custom call,
+    so under tensor parallelism each device runs it on its own query heads and KV pages (both
+    split over the "model" axis, the query heads of a KV head on the same device) with the
+    batch's metadata whole."""
+    mesh = jax.sharding.get_abstract_mesh()  # the mesh the step is traced under, if any
+    axis = logical_to_spec(("kv_combined_heads",))[0]
+    if mesh.empty or mesh.shape.get(axis, 1) == 1:
+        return kernel(*args, **dict(zip(_SCALAR_ARGS, scalars)))
+    heads, whole = PartitionSpec(None, axis), PartitionSpec()
+    traced = tuple(isinstance(x, jax.Array) for x in scalars)  # the rest (None, numbers) stay static
+
+    def local(q, kv_pool, kv_lens, page_indices, cu_q_lens, num_seqs, given):
+        values = iter(given)
+        kw = {name: next(values) if t else x for name, t, x in zip(_SCALAR_ARGS, traced, scalars)}
+        return kernel(q, kv_pool, kv_lens, page_indices, cu_q_lens, num_seqs, **kw)
+
+    given = tuple(x for x, t in zip(scalars, traced) if t)
+    specs = (heads, heads, whole, whole, whole, whole, tuple(whole for _ in given))
+    # (the kernels declare their outputs without how they vary over the mesh: no check of that)
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
+    return sharded(*args, given)
