@@ -138,24 +138,22 @@ def paged_attention(
     kernel = functools.partial(_kernel(meta.backend), sm_scale=sm_scale, soft_cap=soft_cap)
     args = (q, kv_pool, meta.kv_lens, meta.page_indices + page_offset, meta.cu_q_lens, meta.num_seqs)
     scalars = (sliding_window, k_scale, v_scale)
-    if meta.backend == "reference":  # plain XLA: partitioned like any other op
-        out = kernel(*args, **dict(zip(_SCALAR_ARGS, scalars)))
-    else:
-        out = _per_device_heads(kernel, args, scalars)
+    out = _per_device_heads(kernel, args, scalars, split=meta.backend != "reference")
     return out[..., :head_dim], kv_pool
 
 
 _SCALAR_ARGS = ("sliding_window", "k_scale", "v_scale")
 
 
-def _per_device_heads(kernel, args: tuple, scalars: tuple) -> jax.Array:
-    """A Pallas kernel over the heads of each device: XLA cannot partition a kernel's custom call,
-    so under tensor parallelism each device runs it on its own query heads and KV pages (both
-    split over the "model" axis, the query heads of a KV head on the same device) with the
-    batch's metadata whole."""
+def _per_device_heads(kernel, args: tuple, scalars: tuple, split: bool) -> jax.Array:
+    """`kernel` over the heads of each device when `split` (a Pallas kernel: XLA cannot partition
+    its custom call), so under tensor parallelism each device runs it on its own query heads and
+    KV pages (both split over the "model" axis, the query heads of a KV head on the same device)
+    with the batch's metadata whole; else called as it is (the reference is plain XLA,
+    partitioned like any other op)."""
     mesh = jax.sharding.get_abstract_mesh()  # the mesh the step is traced under, if any
     axis = logical_to_spec(("kv_combined_heads",))[0]
-    if mesh.empty or mesh.shape.get(axis, 1) == 1:
+    if not split or mesh.empty or mesh.shape.get(axis, 1) == 1:
         return kernel(*args, **dict(zip(_SCALAR_ARGS, scalars)))
     heads, whole = PartitionSpec(None, axis), PartitionSpec()
     traced = tuple(isinstance(x, jax.Array) for x in scalars)  # the rest (None, numbers) stay static

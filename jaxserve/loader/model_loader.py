@@ -165,18 +165,14 @@ def load_model(
     graphdef, state = _load_model(model_config, mesh, parallel)
     if lora is None:
         return graphdef, state
-    entry, args = build_model_args(model_config, parallel, lora)
-    dtype = jnp.dtype(model_config.dtype)
-    graphdef, abstract = nnx.split(
-        nnx.eval_shape(lambda: entry.model_cls(args, dtype=dtype, rngs=nnx.Rngs(0)))
-    )
+    graphdef, abstract = abstract_model(model_config, mesh, parallel, lora)
     loaded, flat = dict(nnx.to_flat_state(state)), dict(nnx.to_flat_state(abstract))
     for key, var in flat.items():
         if key in loaded:
             var.value = loaded[key].value
         else:  # a LoRA slot
-            sharding = named_sharding(mesh, var.get_metadata()["logical_axes"])
-            var.value = jax.jit(lambda s=var.value: jnp.zeros(s.shape, s.dtype), out_shardings=sharding)()
+            s = var.value
+            var.value = jax.jit(lambda s=s: jnp.zeros(s.shape, s.dtype), out_shardings=s.sharding)()
     return graphdef, nnx.from_flat_state(flat)
 
 
