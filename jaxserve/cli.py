@@ -213,6 +213,35 @@ def _run_serve(ns: argparse.Namespace) -> int:
     return api_server.run_server(engine_args, server_args)
 
 
+def _add_compile_check_args(parser: argparse.ArgumentParser) -> None:
+    from jaxserve.aot import SCOPES
+    from jaxserve.aot.chips import target_names
+
+    group = parser.add_argument_group("TPU target")
+    group.add_argument("--topology", required=True, choices=target_names(), help="The TPU slice.")
+    group.add_argument(
+        "--programs",
+        choices=SCOPES,
+        default="default",
+        help="all: every bucket x every step variant; default: every bucket of the plain step and "
+        "every variant at the smallest and largest bucket; quick: the plain step at those two.",
+    )
+    group.add_argument(
+        "--workload",
+        default="1800:128",
+        metavar="IN:OUT",
+        help="Prompt and output tokens to project throughput for.",
+    )
+    group.add_argument("--json", default=None, metavar="OUT", help="Also write the full report as JSON.")
+
+
+def _run_compile_check(ns: argparse.Namespace) -> int:
+    from jaxserve.aot.command import parse_workload, run
+
+    workload = parse_workload(ns.workload)  # refuse a bad value before compiling anything
+    return run(engine_args_from_namespace(ns), ns.topology, ns.programs, workload, ns.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxserve import __version__
 
@@ -280,6 +309,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(convert)
     convert.add_argument("--output", required=True, metavar="DIR", help="New (or empty) output directory.")
     convert.set_defaults(func=_run_convert)
+
+    check = sub.add_parser(
+        "tpu-compile-check",
+        help="Compile the server's step programs for a TPU slice, without one (needs the tpu extra).",
+        description="Compile every step program `serve` would compile on a TPU slice, with libtpu on "
+        "this host: checks that each compiles, that weights, KV pool and temporaries fit the chip's "
+        "memory, and projects a roofline throughput. No weight is read (a config.json or GGUF is "
+        "enough). Exit 0 when all compiled and fit; else one line per failure and exit 1.",
+        formatter_class=Formatter,
+        allow_abbrev=False,
+    )
+    add_engine_args(check)
+    _add_compile_check_args(check)
+    check.set_defaults(func=_run_compile_check)
 
     from jaxserve.benchmarks import serving as bench_serving
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import functools
 import os
 
-import jax
+# The test extra brings libtpu (for the TPU compile check), which JAX would otherwise try to start
+# on this TPU-less host, in this process and in every subprocess a test starts.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
 import pytest
 from tiny_models import DENSE_FAMILIES, LLAMA_VARIANTS, make_family_checkpoint, make_llama_checkpoint
 

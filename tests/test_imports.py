@@ -17,7 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # package name stands for `jaxserve/__init__.py` alone.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("jaxserve.cli", "jaxserve.benchmarks", "jaxserve.entrypoints"),
-    ("jaxserve", "jaxserve.llm", "jaxserve.metrics"),  # the offline API and the package itself
+    # the offline API, the package itself and the deviceless TPU compile check
+    ("jaxserve", "jaxserve.llm", "jaxserve.metrics", "jaxserve.aot"),
     ("jaxserve.args", "jaxserve.model_resolution", "jaxserve.flags"),
     ("jaxserve.engine", "jaxserve.structured_output"),
     ("jaxserve.runner", "jaxserve.distributed"),

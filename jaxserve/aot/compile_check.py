@@ -1,0 +1,241 @@
+"""Compile a server's step programs for a TPU slice this host does not have, and check they fit.
+
+The configuration is the one `jaxserve serve` would build on that slice (EngineArgs with the
+slice's devices as the platform's: model_resolution.targeting), the model its abstract arrays with
+the engine's shardings (loader.abstract_model: no weight is read), the KV pool sized by the engine's
+own rule for the chip's HBM (StepLayout.plan), and the programs the runner's own StepPrograms,
+compiled by libtpu. Each compiled program reports XLA's memory analysis and cost analysis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from jaxserve.aot.chips import Target, pallas_target
+from jaxserve.args import EngineArgs
+from jaxserve.loader.model_loader import abstract_model, build_model_args
+from jaxserve.model_resolution import targeting
+from jaxserve.runner.bucketing import Buckets
+from jaxserve.runner.step import StepVariant
+from jaxserve.runner.step_cache import StepCache
+from jaxserve.runner.step_programs import StepLayout, StepPrograms
+from jaxserve.sharding import make_mesh
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Program:
+    """One compiled program: a (bucket, variant) and, for a variant with a token mask, the part
+    (forward or sample: two programs)."""
+
+    bucket: tuple[int, int]
+    variant: str
+    part: str
+    seconds: float = 0.0
+    error: str | None = None
+    argument_bytes: int = 0  # XLA's memory analysis, per device
+    output_bytes: int = 0
+    alias_bytes: int = 0  # outputs written in place of donated arguments (the KV pool)
+    temp_bytes: int = 0
+    code_bytes: int = 0
+    resident_bytes: int = 0  # what stays on the device outside this program's arguments
+    flops: float = 0.0  # XLA's cost analysis (blind to what runs inside a Pallas kernel)
+    bytes_accessed: float = 0.0
+    kernels: int = 0  # Pallas (Mosaic) kernels in the program
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most this program's device holds while it runs."""
+        live = self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+        return live + self.code_bytes + self.resident_bytes
+
+
+@dataclass
+class Report:
+    model: str
+    target: str
+    tensor_parallel_size: int
+    dtype: str = ""
+    quantization: str | None = None
+    kv_cache_dtype: str = ""
+    attention_backend: str = ""
+    hbm_bytes: int = 0  # what one program may use on one chip
+    gpu_memory_utilization: float = 0.0
+    weight_bytes: int = 0  # per device (the fullest)
+    kv_pool_bytes: int = 0  # per device, as the engine would allocate it
+    num_blocks: int = 0
+    page_size: int = 0
+    kv_tokens: int = 0
+    max_model_len: int = 0
+    shape: dict = field(default_factory=dict)  # what the attention roofline needs (aot/roofline.py)
+    buckets: list = field(default_factory=list)
+    programs: list[Program] = field(default_factory=list)
+    refused: str | None = None  # the engine refused the configuration (one line)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((p.peak_bytes for p in self.programs if p.error is None), default=0)
+
+    def failures(self) -> list[str]:
+        """One line per problem; none when every program compiled and fits."""
+        where = f"{self.model} on {self.target} tp={self.tensor_parallel_size}"
+        if self.refused:
+            return [f"{where}: {self.refused}"]
+        lines = []
+        for p in self.programs:
+            name = f"{where} bucket {p.bucket} {p.variant} {p.part}"
+            if p.error:
+                lines.append(f"{name}: did not compile: {p.error}")
+            elif p.peak_bytes > self.hbm_bytes:
+                lines.append(
+                    f"{name}: needs {p.peak_bytes / 2**30:.2f} GiB of the chip's "
+                    f"{self.hbm_bytes / 2**30:.2f} GiB"
+                )
+            elif p.part != "sample" and p.kernels == 0 and self.attention_backend == "tpu":
+                lines.append(f"{name}: compiled without the Pallas attention kernel")
+        return lines
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["peak_bytes"] = self.peak_bytes
+        for program, raw in zip(self.programs, out["programs"]):
+            raw["peak_bytes"] = program.peak_bytes
+        return out
+
+
+def programs_in_scope(buckets: Buckets, scope: str) -> list[tuple[tuple[int, int], StepVariant]]:
+    """The (bucket, variant) pairs to compile, smallest bucket first."""
+    every, variants = buckets.all(), StepVariant.all()
+    ends = [every[0], every[-1]] if len(every) > 1 else every
+    if scope == "all":
+        return [(b, v) for b in every for v in variants]
+    if scope == "quick":
+        return [(b, variants[0]) for b in ends]
+    plain = [(b, variants[0]) for b in every]
+    return plain + [(b, v) for b in ends for v in variants[1:]]
+
+
+def variant_name(variant: StepVariant) -> str:
+    on = [f.name.removeprefix("with_") for f in dataclasses.fields(variant) if getattr(variant, f.name)]
+    return "+".join(on) or "plain"
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes of abstract arrays on the fullest device (every device holds one shard of each)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shard = x.sharding.shard_shape(x.shape)
+        total += int(np.prod(shard)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def check(
+    engine_args: EngineArgs,
+    target: Target,
+    scope: str = "default",
+    progress: Callable[[Program], None] | None = None,
+) -> Report:
+    """Compile the server's step programs for `target` and measure them (no weight is read)."""
+    devices = target.devices()
+    engine_args = dataclasses.replace(engine_args, load_format="dummy")
+    report = Report(str(engine_args.model or "default model"), target.name, engine_args.tensor_parallel_size)
+    try:
+        with targeting(devices):
+            config = engine_args.create_engine_config()
+    except ValueError as err:
+        report.refused = str(err).splitlines()[0]
+        return report
+    pc, mc, cc = config.parallel_config, config.model_config, config.cache_config
+    mesh = make_mesh(pc.tensor_parallel_size, pc.data_parallel_size, devices=devices)
+    graphdef, state = abstract_model(mc, mesh, pc, config.lora_config)
+    _, args = build_model_args(mc, pc, config.lora_config)
+    chip = target.chip
+    report.weight_bytes = per_device_bytes(state)
+    memory = [{"bytes_limit": chip.hbm_bytes, "bytes_in_use": report.weight_bytes}] * mesh.size
+    try:
+        layout = StepLayout.plan(config, args, mesh, config.lora_config is not None, memory)
+    except ValueError as err:  # no room for the KV pool
+        report.refused = str(err).splitlines()[0] + _larger_slice(
+            report, config.cache_config.gpu_memory_utilization
+        )
+        return report
+    steps = StepPrograms(graphdef, state, mesh, layout, vocab_size=args.vocab_size, step_cache=StepCache())
+    report.dtype, report.quantization = str(mc.dtype), mc.quantization
+    report.kv_cache_dtype, report.attention_backend = str(layout.kv_spec.dtype), layout.attention_backend
+    report.hbm_bytes, report.gpu_memory_utilization = chip.hbm_bytes, cc.gpu_memory_utilization
+    report.kv_pool_bytes = per_device_bytes(steps.kv_pool)
+    report.num_blocks, report.page_size = layout.num_blocks, layout.kv_spec.page_size
+    report.kv_tokens = (layout.num_blocks - 1) * layout.kv_spec.page_size
+    report.max_model_len = config.scheduler_config.max_model_len
+    report.buckets = layout.buckets.all()
+    spec = layout.kv_spec
+    report.shape = {
+        "num_layers": args.num_layers,
+        "num_heads": args.num_heads,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": args.head_dim,
+        "kv_bytes_per_token": spec.bytes_per_block / spec.page_size / mesh.shape["model"],
+    }
+    resident = report.weight_bytes + report.kv_pool_bytes  # held while a sample program runs
+    with pallas_target(chip):
+        for bucket, variant in programs_in_scope(layout.buckets, scope):
+            for program in _compile(steps, bucket, variant, resident):
+                report.programs.append(program)
+                if progress is not None:
+                    progress(program)
+    return report
+
+
+def _larger_slice(report: Report, utilization: float) -> str:
+    """Which tensor parallel size would leave room for a KV pool (about: weights shrink with tp
+    but for the few that every device holds whole)."""
+    weights = report.weight_bytes * report.tensor_parallel_size
+    budget = utilization * Target.parse(report.target).chip.hbm_bytes
+    gib = weights / 2**30
+    for tp in (2, 4, 8, 16, 32, 64):
+        if tp > report.tensor_parallel_size and weights / tp < 0.8 * budget:
+            return f" ({gib:.1f} GiB of weights; about tp={tp} would leave room for one)"
+    return f" ({gib:.1f} GiB of weights)"
+
+
+def _compile(steps: StepPrograms, bucket, variant: StepVariant, resident: int) -> list[Program]:
+    name = variant_name(variant)
+    parts = ("forward", "sample") if variant.with_token_bitmask else ("step",)
+    start = time.perf_counter()
+    try:
+        compiled = steps.compile(bucket, variant)
+    except Exception as err:  # libtpu's refusal, kept to its first line
+        message = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
+        return [Program(bucket, name, part, time.perf_counter() - start, error=message) for part in parts]
+    seconds = time.perf_counter() - start
+    compiled = compiled if isinstance(compiled, tuple) else (compiled,)
+    return [
+        _measured(
+            Program(bucket, name, part, seconds / len(parts)), program, resident if part == "sample" else 0
+        )
+        for part, program in zip(parts, compiled)
+    ]
+
+
+def _measured(program: Program, compiled: jax.stages.Compiled, resident: int) -> Program:
+    memory = compiled.memory_analysis()
+    program.argument_bytes = memory.argument_size_in_bytes
+    program.output_bytes = memory.output_size_in_bytes
+    program.alias_bytes = memory.alias_size_in_bytes
+    program.temp_bytes = memory.temp_size_in_bytes
+    program.code_bytes = memory.generated_code_size_in_bytes
+    program.resident_bytes = resident
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    program.flops = float(cost.get("flops", 0.0))
+    program.bytes_accessed = float(cost.get("bytes accessed", 0.0))
+    program.kernels = compiled.as_text().count('custom_call_target="tpu_custom_call"')
+    return program

@@ -1,0 +1,150 @@
+"""The server's step programs compile for TPU slices with libtpu's real compiler on this TPU-less
+host (`jaxserve tpu-compile-check`), with the Pallas attention kernel in them, and fit the chip
+the way the engine's own memory accounting says they do.
+
+Each check runs the command in a subprocess: it points JAX and Pallas at a TPU target for its
+whole life. A small Llama shape keeps each program to a few seconds of compiling; the whole-matrix
+run over real model shapes is benchmarks/tpu_compile_matrix.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu is not installed (pip install -e '.[tpu]'); it is what compiles for a TPU",
+)
+
+SHAPE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 1024,
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+SMALL = ["--max-num-batched-tokens", "64", "--max-num-seqs", "16", "--max-model-len", "256"]
+
+
+@pytest.fixture(scope="module")
+def shape_dir(tmp_path_factory):
+    """A model as a configuration alone: the check reads no weight."""
+    path = tmp_path_factory.mktemp("llama-shape")
+    (path / "config.json").write_text(json.dumps(SHAPE))
+    return str(path)
+
+
+def compile_check(tmp_path, model: str, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "report.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxserve.cli",
+        "tpu-compile-check",
+        "--model",
+        model,
+        *flags,
+        "--json",
+        str(out),
+    ]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"}
+    )
+    return done, (json.loads(out.read_text()) if out.exists() else {})
+
+
+@pytest.mark.parametrize("topology", ["v5e-4", "v6e-4"])
+@pytest.mark.parametrize("tp", [1, 4])
+def test_step_compiles_for_tpu_with_the_pallas_kernel(tmp_path, shape_dir, topology, tp):
+    done, report = compile_check(
+        tmp_path, shape_dir, "--topology", topology, "-tp", str(tp), *SMALL, "--programs", "quick"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert report["attention_backend"] == "tpu" and report["dtype"] == "bfloat16"
+    programs = report["programs"]
+    assert [tuple(p["bucket"]) for p in programs] == [(16, 16), (64, 16)]
+    for p in programs:
+        assert p["error"] is None
+        assert p["kernels"] >= 1, "the step fell back from the Pallas kernel"
+        assert 0 < p["peak_bytes"] <= report["hbm_bytes"]
+        assert p["flops"] > 0 and p["bytes_accessed"] > 0
+    # each device holds a quarter of the weights and of the pool at tp=4
+    assert report["shape"]["kv_bytes_per_token"] == 2 * 2 * 128 * 2 * 4 / tp
+
+
+def test_every_variant_compiles_with_quantized_weights_and_kv(tmp_path, shape_dir):
+    """The sampler variants (penalties, top logprobs, prompt logprobs) and the structured-output
+    pair (forward, then sampling under a token mask), with int8 weights and an int8 KV pool."""
+    flags = ["--topology", "v5e-4", "-tp", "4", "-q", "int8", "--kv-cache-dtype", "int8"]
+    small = ["--max-num-batched-tokens", "16", "--max-num-seqs", "16", "--max-model-len", "256"]
+    done, report = compile_check(tmp_path, shape_dir, *flags, *small)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert report["quantization"] == "int8" and report["kv_cache_dtype"] == "int8"
+    parts = {(p["variant"], p["part"]) for p in report["programs"] if p["error"] is None}
+    assert len(report["programs"]) == len(parts) == 8 * 1 + 8 * 2  # 16 variants, half of them in two parts
+    assert ("plain", "step") in parts and ("token_bitmask", "sample") in parts
+    assert ("processor_state+top_logprobs+prompt_logprobs+token_bitmask", "forward") in parts
+    assert all(p["kernels"] >= 1 for p in report["programs"] if p["part"] != "sample")
+
+
+def test_engine_memory_accounting_matches_xla(tmp_path, shape_dir):
+    """The KV pool the engine sizes for --gpu-memory-utilization fills the chip's share to within
+    a block, XLA counts exactly the engine's weights and pool among a step's arguments (plus the
+    batch's few arrays), the pool is updated in place (donated: the output aliases it), and the
+    step's temporaries fit in the share of the chip the engine leaves free."""
+    utilization = 0.01
+    flags = ["--topology", "v5e-1", "--gpu-memory-utilization", str(utilization), "--programs", "quick"]
+    done, report = compile_check(
+        tmp_path,
+        shape_dir,
+        *flags,
+        "--max-num-batched-tokens",
+        "64",
+        "--max-num-seqs",
+        "64",
+        "--max-model-len",
+        "1024",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    budget = utilization * report["hbm_bytes"]
+    block = report["kv_pool_bytes"] / report["num_blocks"]
+    held = report["weight_bytes"] + report["kv_pool_bytes"]
+    assert budget - block < held <= budget
+    for p in report["programs"]:
+        inputs = p["argument_bytes"] - held  # the batch's arrays and the last sampled tokens
+        assert 0 < inputs < 64 * 1024, inputs
+        assert p["alias_bytes"] >= report["kv_pool_bytes"]
+        # what the step needs beyond the pool and weights fits in the share the engine leaves free
+        assert 0 < p["peak_bytes"] - held <= (1 - utilization) * report["hbm_bytes"]
+
+
+def test_a_model_too_large_for_the_chip_is_one_line(tmp_path, shape_dir):
+    done, report = compile_check(
+        tmp_path, shape_dir, "--topology", "v5e-1", "--gpu-memory-utilization", "0.0001", *SMALL
+    )
+    assert done.returncode == 1
+    assert report["refused"] and not report["programs"]
+    lines = [line for line in done.stderr.splitlines() if "tp=1" in line]
+    assert len(lines) == 1 and "KV cache" in lines[0], done.stderr[-2000:]
+
+
+def test_unknown_topology_is_a_usage_error(tmp_path, shape_dir):
+    done, _ = compile_check(tmp_path, shape_dir, "--topology", "v4-8")
+    assert done.returncode == 2 and "--topology" in done.stderr
