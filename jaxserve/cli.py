@@ -224,7 +224,8 @@ def _add_compile_check_args(parser: argparse.ArgumentParser) -> None:
         choices=SCOPES,
         default="default",
         help="all: every bucket x every step variant; default: every bucket of the plain step and "
-        "every variant at the smallest and largest bucket; quick: the plain step at those two.",
+        "every variant at the smallest and largest bucket; plain: every bucket of the plain step; "
+        "quick: the plain step at the smallest and largest bucket.",
     )
     group.add_argument(
         "--workload",

@@ -6,5 +6,6 @@ into a best-case throughput, command.py is `jaxserve tpu-compile-check`.
 """
 
 # Which programs a check compiles: every (bucket, variant) pair; every bucket of the plain step
-# and every variant at the smallest and largest bucket; or the plain step at those two buckets.
-SCOPES = ("all", "default", "quick")
+# and every variant at the smallest and largest bucket; every bucket of the plain step; or the
+# plain step at the smallest and largest bucket.
+SCOPES = ("all", "default", "plain", "quick")

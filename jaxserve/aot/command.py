@@ -13,7 +13,7 @@ import time
 
 from jaxserve.aot.chips import Target
 from jaxserve.aot.compile_check import Program, Report, check
-from jaxserve.aot.roofline import Workload, project, seconds
+from jaxserve.aot.roofline import Workload, project
 from jaxserve.args import EngineArgs
 
 GIB = 2**30
@@ -39,7 +39,7 @@ def run(engine_args: EngineArgs, topology: str, scope: str, workload: Workload, 
     jax.config.update("jax_platforms", "cpu")
     target = Target.parse(topology)
     start = time.perf_counter()
-    report = check(engine_args, target, scope, progress=lambda p: _print_program(p, target))
+    report = check(engine_args, target, scope, progress=_print_program)
     elapsed = time.perf_counter() - start
     projected = project(report, target.chip, workload) if not report.refused else None
     _print_summary(report, projected, workload, elapsed)
@@ -53,15 +53,13 @@ def run(engine_args: EngineArgs, topology: str, scope: str, workload: Workload, 
     return 1 if failures else 0
 
 
-def _print_program(p: Program, target: Target) -> None:
+def _print_program(p: Program) -> None:
     if p.error:
         print(f"  {p.bucket} {p.variant} {p.part}: FAILED {p.error}", file=sys.stderr, flush=True)
         return
-    roofline = seconds(p.flops, p.bytes_accessed, target.chip) * 1e3
     print(
         f"  {p.bucket} {p.variant} {p.part}: compiled in {p.seconds:.1f} s, peak {p.peak_bytes / GIB:.2f} GiB "
-        f"(temp {p.temp_bytes / 2**20:.0f} MiB), roofline {roofline:.3f} ms without attention, "
-        f"{p.kernels} Pallas kernel(s)",
+        f"(temp {p.temp_bytes / 2**20:.0f} MiB), {p.kernels} Pallas kernel(s)",
         file=sys.stderr,
         flush=True,
     )

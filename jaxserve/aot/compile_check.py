@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxserve.aot.chips import Target, pallas_target
 from jaxserve.args import EngineArgs
@@ -47,7 +48,8 @@ class Program:
     temp_bytes: int = 0
     code_bytes: int = 0
     resident_bytes: int = 0  # what stays on the device outside this program's arguments
-    flops: float = 0.0  # XLA's cost analysis (blind to what runs inside a Pallas kernel)
+    # XLA's cost analysis: blind inside a Pallas kernel, and it counts the layer loop's body once
+    flops: float = 0.0
     bytes_accessed: float = 0.0
     kernels: int = 0  # Pallas (Mosaic) kernels in the program
 
@@ -75,7 +77,8 @@ class Report:
     page_size: int = 0
     kv_tokens: int = 0
     max_model_len: int = 0
-    shape: dict = field(default_factory=dict)  # what the attention roofline needs (aot/roofline.py)
+    shape: dict = field(default_factory=dict)  # what the roofline needs (aot/roofline.py)
+    weights: dict = field(default_factory=dict)  # per-device bytes and elements by role (weight_roles)
     buckets: list = field(default_factory=list)
     programs: list[Program] = field(default_factory=list)
     refused: str | None = None  # the engine refused the configuration (one line)
@@ -103,6 +106,19 @@ class Report:
                 lines.append(f"{name}: compiled without the Pallas attention kernel")
         return lines
 
+    @classmethod
+    def from_dict(cls, raw: dict) -> Report:
+        """A report back from its as_dict() (JSON) form."""
+        fields = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        fields["buckets"] = [tuple(b) for b in raw.get("buckets", ())]
+        fields["programs"] = [
+            Program(
+                **{**{k: p[k] for k in Program.__dataclass_fields__ if k in p}, "bucket": tuple(p["bucket"])}
+            )
+            for p in raw.get("programs", ())
+        ]
+        return cls(**fields)
+
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["peak_bytes"] = self.peak_bytes
@@ -120,6 +136,8 @@ def programs_in_scope(buckets: Buckets, scope: str) -> list[tuple[tuple[int, int
     if scope == "quick":
         return [(b, variants[0]) for b in ends]
     plain = [(b, variants[0]) for b in every]
+    if scope == "plain":
+        return plain
     return plain + [(b, v) for b in ends for v in variants[1:]]
 
 
@@ -135,6 +153,28 @@ def per_device_bytes(tree) -> int:
         shard = x.sharding.shard_shape(x.shape)
         total += int(np.prod(shard)) * np.dtype(x.dtype).itemsize
     return total
+
+
+def weight_roles(state) -> dict:
+    """Per-device bytes and matrix elements of the weights by what a step does with them: the
+    embedding table (rows gathered; also the head when there is no lm_head), the head, the experts
+    (a token uses top_k of them) and the rest of the layers (every token uses all of them)."""
+    flat = {"/".join(map(str, k)): v.value for k, v in nnx.to_flat_state(state)}
+    tied = "lm_head" not in flat
+    roles = {r: {"bytes": 0, "elements": 0} for r in ("embedding", "head", "experts", "dense")}
+    for name, x in flat.items():
+        shard = x.sharding.shard_shape(x.shape)
+        leaf = name.rsplit("/", 1)[-1]
+        if name.startswith("embed_tokens"):
+            role = "head" if tied else "embedding"
+        elif name.startswith("lm_head"):
+            role = "head"
+        else:
+            role = "experts" if leaf.startswith("expert") else "dense"
+        roles[role]["bytes"] += int(np.prod(shard)) * np.dtype(x.dtype).itemsize
+        if len(shard) >= 2 and not leaf.endswith(("_scale", "norm")):  # a matrix a matmul reads
+            roles[role]["elements"] += int(np.prod(shard))
+    return roles
 
 
 def check(
@@ -183,7 +223,10 @@ def check(
         "num_kv_heads": spec.num_kv_heads,
         "head_dim": args.head_dim,
         "kv_bytes_per_token": spec.bytes_per_block / spec.page_size / mesh.shape["model"],
+        "num_experts": args.moe.num_experts if getattr(args, "moe", None) else 0,
+        "top_k": args.moe.top_k if getattr(args, "moe", None) else 0,
     }
+    report.weights = weight_roles(state)
     resident = report.weight_bytes + report.kv_pool_bytes  # held while a sample program runs
     with pallas_target(chip):
         for bucket, variant in programs_in_scope(layout.buckets, scope):
