@@ -134,37 +134,34 @@ def paged_attention(
     if kv_pool.shape[-1] > head_dim:  # a padded pool (pool_head_dim): zeros change no score
         pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, kv_pool.shape[-1] - head_dim)))  # noqa: E731
         q, k, v = pad(q), pad(k), pad(v)
-    kv_pool = write_kv(kv_pool, k, v, meta.slot_mapping + page_offset * page_size, k_scale, v_scale)
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    slots = meta.slot_mapping + page_offset * page_size
+    kv_pool = per_device_heads(write_kv, (kv_pool, k, v), (slots,), scales)
     kernel = functools.partial(_kernel(meta.backend), sm_scale=sm_scale, soft_cap=soft_cap)
-    args = (q, kv_pool, meta.kv_lens, meta.page_indices + page_offset, meta.cu_q_lens, meta.num_seqs)
-    scalars = (sliding_window, k_scale, v_scale)
-    out = _per_device_heads(kernel, args, scalars, split=meta.backend != "reference")
+    metadata = (meta.kv_lens, meta.page_indices + page_offset, meta.cu_q_lens, meta.num_seqs)
+    out = per_device_heads(kernel, (q, kv_pool), metadata, {"sliding_window": sliding_window, **scales})
     return out[..., :head_dim], kv_pool
 
 
-_SCALAR_ARGS = ("sliding_window", "k_scale", "v_scale")
-
-
-def _per_device_heads(kernel, args: tuple, scalars: tuple, split: bool) -> jax.Array:
-    """`kernel` over the heads of each device when `split` (a Pallas kernel: XLA cannot partition
-    its custom call), so under tensor parallelism each device runs it on its own query heads and
-    KV pages (both split over the "model" axis, the query heads of a KV head on the same device)
-    with the batch's metadata whole; else called as it is (the reference is plain XLA,
-    partitioned like any other op)."""
+def per_device_heads(fn, split: tuple, whole: tuple, scalars: dict) -> jax.Array:
+    """`fn(*split, *whole, **scalars)` run on each device's own heads under tensor parallelism:
+    the `split` arrays (query heads, KV heads, the pool's pages) divided over the "model" axis on
+    their axis 1 (a KV head's query heads on its device), the `whole` ones and the traced scalars
+    on every device whole, and the result split like the first. Written by hand for every backend,
+    since XLA can partition neither a Pallas kernel's custom call nor, without gathering the
+    whole pool on every device, the pool's writes and reads through its flattened pages."""
     mesh = jax.sharding.get_abstract_mesh()  # the mesh the step is traced under, if any
     axis = logical_to_spec(("kv_combined_heads",))[0]
-    if not split or mesh.empty or mesh.shape.get(axis, 1) == 1:
-        return kernel(*args, **dict(zip(_SCALAR_ARGS, scalars)))
-    heads, whole = PartitionSpec(None, axis), PartitionSpec()
-    traced = tuple(isinstance(x, jax.Array) for x in scalars)  # the rest (None, numbers) stay static
+    if mesh.empty or mesh.shape.get(axis, 1) == 1:
+        return fn(*split, *whole, **scalars)
+    heads, replicated = PartitionSpec(None, axis), PartitionSpec()
+    traced = {k: v for k, v in scalars.items() if isinstance(v, jax.Array)}
+    static = {k: v for k, v in scalars.items() if k not in traced}  # None, numbers: closed over
 
-    def local(q, kv_pool, kv_lens, page_indices, cu_q_lens, num_seqs, given):
-        values = iter(given)
-        kw = {name: next(values) if t else x for name, t, x in zip(_SCALAR_ARGS, traced, scalars)}
-        return kernel(q, kv_pool, kv_lens, page_indices, cu_q_lens, num_seqs, **kw)
+    def local(split, whole, traced):
+        return fn(*split, *whole, **traced, **static)
 
-    given = tuple(x for x, t in zip(scalars, traced) if t)
-    specs = (heads, heads, whole, whole, whole, whole, tuple(whole for _ in given))
+    specs = (tuple(heads for _ in split), tuple(replicated for _ in whole), {k: replicated for k in traced})
     # (the kernels declare their outputs without how they vary over the mesh: no check of that)
     sharded = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
-    return sharded(*args, given)
+    return sharded(split, whole, traced)
