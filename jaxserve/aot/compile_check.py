@@ -10,7 +10,6 @@ compiled by libtpu. Each compiled program reports XLA's memory analysis and cost
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,8 +27,6 @@ from jaxserve.runner.step import StepVariant
 from jaxserve.runner.step_cache import StepCache
 from jaxserve.runner.step_programs import StepLayout, StepPrograms
 from jaxserve.sharding import make_mesh
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -198,7 +195,8 @@ def check(
     graphdef, state = abstract_model(mc, mesh, pc, config.lora_config)
     _, args = build_model_args(mc, pc, config.lora_config)
     chip = target.chip
-    report.weight_bytes = per_device_bytes(state)
+    report.weights = weight_roles(state)
+    report.weight_bytes = sum(role["bytes"] for role in report.weights.values())
     memory = [{"bytes_limit": chip.hbm_bytes, "bytes_in_use": report.weight_bytes}] * mesh.size
     try:
         layout = StepLayout.plan(config, args, mesh, config.lora_config is not None, memory)
@@ -226,7 +224,6 @@ def check(
         "num_experts": args.moe.num_experts if getattr(args, "moe", None) else 0,
         "top_k": args.moe.top_k if getattr(args, "moe", None) else 0,
     }
-    report.weights = weight_roles(state)
     resident = report.weight_bytes + report.kv_pool_bytes  # held while a sample program runs
     with pallas_target(chip):
         for bucket, variant in programs_in_scope(layout.buckets, scope):
