@@ -66,6 +66,18 @@ DTYPES = {  # weights / KV pool
     "int8/int8": ("-q", "int8", "--kv-cache-dtype", "int8"),
 }
 TOPOLOGIES = {1: ("v5e-1", "v6e-1", "v5p-8"), 8: ("v5e-8", "v6e-8", "v5p-16")}
+# The default model's 9 query heads (3 KV heads) split over 3 devices, not 8: its multi-chip cells.
+DEFAULT_SPLIT = (3, ("v5e-4", "v6e-4", "v5p-8"))
+# Every bucket, and every sampler / structured-output variant (--programs default), for one cell
+# of each chip generation, weight and KV dtype and tensor parallel size.
+FULL = [
+    (None, "v6e-1", 1, "bf16/bf16"),
+    (None, "v5e-4", 3, "bf16/fp8"),
+    ("Llama-3.1-8B-Instruct", "v6e-1", 1, "int8/int8"),
+    ("Qwen3-8B", "v5e-1", 1, "int8/bf16"),
+    ("Qwen3-30B-A3B", "v6e-8", 8, "bf16/fp8"),
+    ("Llama-3.3-70B-Instruct", "v5p-16", 8, "int8/int8"),
+]
 
 
 def gate_cells() -> list[Cell]:
@@ -83,8 +95,24 @@ def gate_cells() -> list[Cell]:
     return cells
 
 
+def full_cells() -> list[Cell]:
+    cells = []
+    for model, topology, tp, dtypes in FULL:
+        name = f"full_{model or 'default'}_{topology}_tp{tp}_{dtypes.replace('/', '-')}"
+        flags = ("--max-model-len", "2048", *DTYPES[dtypes])
+        cells.append(Cell(name, model, topology, tp, flags, programs="default"))
+    return cells
+
+
 def matrix_cells(programs: str) -> list[Cell]:
     cells = []
+    tp, topologies = DEFAULT_SPLIT
+    for topology in topologies:
+        for kv in ("bf16/bf16", "bf16/fp8"):
+            flags = ("--max-model-len", "2048", *DTYPES[kv])
+            cells.append(
+                Cell(f"default_{topology}_tp{tp}_{kv.replace('/', '-')}", None, topology, tp, flags, programs)
+            )
     for tp, topologies in TOPOLOGIES.items():
         for topology in topologies:
             for kv in ("bf16/bf16", "bf16/fp8"):  # the default model's weights stay GGUF 4-bit
@@ -114,7 +142,9 @@ def matrix_cells(programs: str) -> list[Cell]:
 def run_cell(cell: Cell, output_dir: str) -> str:
     output = os.path.join(output_dir, f"{cell.name}.json")
     if os.path.exists(output):
-        return f"{cell.name}: done before"
+        with open(output) as fh:
+            if not json.load(fh).get("crashed"):  # a crash (a usage error, libtpu) runs again
+                return f"{cell.name}: done before"
     start = time.perf_counter()
     done = subprocess.run(
         cell.command(output), capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -203,7 +233,9 @@ def tables(output_dir: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--set", choices=("gates", "matrix", "all"), default=None, help="Which cells to run.")
+    parser.add_argument(
+        "--set", choices=("gates", "matrix", "full", "all"), default=None, help="Which cells to run."
+    )
     parser.add_argument("--programs", default="quick", help="The matrix cells' --programs (gates: plain).")
     parser.add_argument("--only", default="", help="Run only cells whose name contains this.")
     parser.add_argument("--jobs", type=int, default=1, help="Cells compiled at once.")
@@ -218,6 +250,8 @@ def main(argv=None) -> int:
         cells += gate_cells()
     if ns.set in ("matrix", "all"):
         cells += matrix_cells(ns.programs)
+    if ns.set in ("full", "all"):
+        cells += full_cells()
     cells = [c for c in cells if ns.only in c.name]
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max(1, ns.jobs)) as pool:

@@ -583,6 +583,11 @@ class EngineArgs:
         from jaxserve.layers.attention import resolve_attention_backend
 
         backend = resolve_attention_backend(self.attention_backend, platform())
+        if backend == "tpu-interpret" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "--attention-backend pallas-tpu-interpret runs on one device: JAX's TPU interpreter stalls "
+                "in a step split over several (use pallas-gpu-interpret or reference with -tp)."
+            )
         visible = len(devices())
         if self.tensor_parallel_size * self.data_parallel_size > visible:
             raise ValueError(

@@ -27,6 +27,8 @@ import threading
 
 import jax
 
+from pallas_kernels.tracing import traced_platform
+
 logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -122,7 +124,7 @@ def loaded() -> bool:
 def usable_in_trace() -> bool:
     """Whether the step being traced can call the kernels: on a CPU, with them loaded, for one device
     (a step sharded over several would have XLA gather every operand of the call to each device)."""
-    if jax.default_backend() != "cpu" or not loaded():
+    if traced_platform() != "cpu" or not loaded():
         return False
     mesh = jax.sharding.get_abstract_mesh()
     return mesh.empty or mesh.size == 1

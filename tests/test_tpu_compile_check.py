@@ -104,14 +104,16 @@ def test_every_variant_compiles_with_quantized_weights_and_kv(tmp_path, shape_di
     assert all(p["kernels"] >= 1 for p in report["programs"] if p["part"] != "sample")
 
 
-@pytest.mark.parametrize("tp", [1, 4])
-def test_engine_memory_accounting_matches_xla(tmp_path, shape_dir, tp):
+@pytest.mark.parametrize("tp,kv", [(1, "auto"), (4, "auto"), (1, "fp8")])
+def test_engine_memory_accounting_matches_xla(tmp_path, shape_dir, tp, kv):
     """The KV pool the engine sizes for --gpu-memory-utilization fills the chip's share to within
     a block, XLA counts exactly the engine's weights and pool among a step's arguments (plus the
     batch's few arrays), the pool is updated in place (donated: the output aliases it), and the
     step's temporaries fit in the share of the chip the engine leaves free. Under tensor
     parallelism no device ever holds more than its own part of the pool (XLA gathered the whole
-    pool onto every device to write a step's keys through the flattened pages, once)."""
+    pool onto every device to write a step's keys through the flattened pages, once), and an fp8
+    pool is written in place (traced as for the host's CPU, its write went through a byte view
+    that a TPU lays out differently: a copy of the whole pool)."""
     utilization = 0.01
     flags = [
         "--topology",
@@ -120,6 +122,8 @@ def test_engine_memory_accounting_matches_xla(tmp_path, shape_dir, tp):
         str(tp),
         "--gpu-memory-utilization",
         str(utilization),
+        "--kv-cache-dtype",
+        kv,
         "--programs",
         "quick",
     ]

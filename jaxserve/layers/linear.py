@@ -38,6 +38,7 @@ from flax import nnx
 from jaxserve.sharding import LOGICAL_AXIS_RULES
 from pallas_kernels.quantized_matmul import TILE, q4_matmuls, tile
 from pallas_kernels.quantized_matmul.reference import dequantize_groups
+from pallas_kernels.tracing import traced_platform
 
 # --quantization -> (stored dtype, largest magnitude it holds)
 WEIGHT_QUANTIZATIONS: dict[str, tuple[np.dtype, float]] = {
@@ -317,7 +318,7 @@ def tied_head(x: jax.Array, table: jax.Array, scale: jax.Array | None) -> jax.Ar
     if scale is None:
         return jnp.dot(x, table.T, preferred_element_type=jnp.float32)
     x = x.astype(jnp.float32)
-    if x.shape[0] <= HEAD_WHOLE_MAX_ROWS or jax.default_backend() != "cpu":
+    if x.shape[0] <= HEAD_WHOLE_MAX_ROWS or traced_platform() != "cpu":
         return x @ _dequantize_rows(table, scale).T
     axis = LOGICAL_AXIS_RULES["vocab"]
     mesh = jax.sharding.get_abstract_mesh()  # the mesh the step is traced under, if any

@@ -63,6 +63,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.tracing import traced_platform
+
 KV_CHUNK_TOKENS = 128  # keys per online-softmax step
 BLOCK_Q = 64  # query rows per prefill block
 BLOCKS_PER_STEP = 4  # prefill blocks handled together in one loop iteration
@@ -109,7 +111,7 @@ def write_kv(
     rows = jnp.where(page[:, None] < num_pages, rows, num_pages * combined * page_size)  # padding: dropped
     flat = kv_pages.reshape(num_pages * combined * page_size, head_dim)
     fp8 = jnp.issubdtype(kv_pages.dtype, jnp.floating) and is_quantized(kv_pages.dtype)
-    if fp8 and jax.default_backend() == "cpu":
+    if fp8 and traced_platform() == "cpu":
         # fp8 rows move as their bytes: XLA:CPU, with no fp8 scatter, would otherwise convert the
         # whole pool to float32 and back at every write (50 ms a step on a 256 MiB pool, against
         # 7 ms for the two bitcasts here; an int8 pool's write takes 0.01 ms).
