@@ -339,8 +339,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run as a script, this folder heads sys.path, and its kernels.py would stand in for the
-    # `kernels` package transformers imports.
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     sys.exit(main())

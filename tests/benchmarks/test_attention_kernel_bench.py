@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py on CPU with the reference backend and tiny shapes: the report's
+"""benchmarks/attention_kernel.py on CPU with the reference backend and tiny shapes: the report's
 numbers follow from the shapes, and a kernel the platform lacks exits 2 in one line."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ TINY += ["--dtype", "float32", "--iters", "2"]
 def test_report_counts_the_kv_every_sequence_reads(tmp_path, capsys):
     out = tmp_path / "k.json"
     assert (
-        load_benchmark("kernels").main(
+        load_benchmark("attention_kernel").main(
             ["--backend", "reference", *TINY, "--peak-gbps", "100", "--output-json", str(out)]
         )
         == 0
@@ -33,5 +33,5 @@ def test_report_counts_the_kv_every_sequence_reads(tmp_path, capsys):
 
 
 def test_a_kernel_the_platform_lacks_exits_2(capsys):
-    assert load_benchmark("kernels").main(["--backend", "pallas", *TINY]) == 2
+    assert load_benchmark("attention_kernel").main(["--backend", "pallas", *TINY]) == 2
     assert "needs a TPU or GPU" in capsys.readouterr().err

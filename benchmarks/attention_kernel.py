@@ -8,7 +8,7 @@ missing from the table, Pallas' facts about the chip). The default shapes are Ll
 attention (32 query heads, 8 KV heads, head_dim 128) over 64 sequences of 2k context, in
 bfloat16.
 
-    python benchmarks/kernels.py [--backend auto|reference|pallas|pallas-tpu-interpret|...]
+    python benchmarks/attention_kernel.py [--backend auto|reference|pallas|pallas-tpu-interpret|...]
         [--num-seqs 64] [--context-len 2048] [--output-json FILE]
 """
 
@@ -36,7 +36,7 @@ PEAK_GBPS = {
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="benchmarks/kernels.py",
+        prog="benchmarks/attention_kernel.py",
         description="Time one ragged paged attention call on decode and mixed batches.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
