@@ -91,12 +91,23 @@ def test_step_compiles_for_tpu_with_the_pallas_kernel(tmp_path, shape_dir, topol
 
 def test_every_variant_compiles_with_quantized_weights_and_kv(tmp_path, shape_dir):
     """The sampler variants (penalties, top logprobs, prompt logprobs) and the structured-output
-    pair (forward, then sampling under a token mask), with int8 weights and an int8 KV pool."""
+    pair (forward, then sampling under a token mask), with int8 weights, an int8 KV pool and
+    LoRA adapter slots."""
     flags = ["--topology", "v5e-4", "-tp", "4", "-q", "int8", "--kv-cache-dtype", "int8"]
+    flags += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "16"]
     small = ["--max-num-batched-tokens", "16", "--max-num-seqs", "16", "--max-model-len", "256"]
     done, report = compile_check(tmp_path, shape_dir, *flags, *small)
     assert done.returncode == 0, done.stderr[-3000:]
     assert report["quantization"] == "int8" and report["kv_cache_dtype"] == "int8"
+    # Each device's LoRA slots (2 layers x 2 slots x rank 16, float32): A of q|k|v and of gate|up
+    # read the whole hidden state (512); A of o and down read their split inputs (1024 / 4); B's
+    # outputs split like their projections' (q 1024, k and v 512, gate and up 1024 over 4 devices),
+    # but o's and down's (the hidden state) whole.
+    a = 512 * 3 + 1024 // 4 + 512 * 2 + 1024 // 4
+    b = (1024 + 512 + 512 + 1024 + 1024) // 4 + 512 + 512
+    lora = report["weights"]["lora"]
+    assert report["max_loras"] == 2
+    assert lora == {"elements": 2 * 2 * 16 * (a + b), "bytes": 4 * 2 * 2 * 16 * (a + b)}, lora
     parts = {(p["variant"], p["part"]) for p in report["programs"] if p["error"] is None}
     assert len(report["programs"]) == len(parts) == 8 * 1 + 8 * 2  # 16 variants, half of them in two parts
     assert ("plain", "step") in parts and ("token_bitmask", "sample") in parts

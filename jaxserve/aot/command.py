@@ -73,7 +73,8 @@ def _print_summary(report: Report, projected: dict | None, workload: Workload, e
     compiled = sum(p.error is None for p in report.programs)
     print(
         f"{head}: {report.dtype} weights{' (' + report.quantization + ')' if report.quantization else ''}, "
-        f"{report.kv_cache_dtype} KV, attention {report.attention_backend}; "
+        f"{report.kv_cache_dtype} KV, attention {report.attention_backend}"
+        f"{f', {report.max_loras} LoRA slots' if report.max_loras else ''}; "
         f"{compiled}/{len(report.programs)} programs compiled in {elapsed:.0f} s"
     )
     print(

@@ -74,6 +74,7 @@ class Report:
     page_size: int = 0
     kv_tokens: int = 0
     max_model_len: int = 0
+    max_loras: int = 0  # LoRA adapter slots (--enable-lora --max-loras); 0 without LoRA
     shape: dict = field(default_factory=dict)  # what the roofline needs (aot/roofline.py)
     weights: dict = field(default_factory=dict)  # per-device bytes and elements by role (weight_roles)
     buckets: list = field(default_factory=list)
@@ -155,10 +156,11 @@ def per_device_bytes(tree) -> int:
 def weight_roles(state) -> dict:
     """Per-device bytes and matrix elements of the weights by what a step does with them: the
     embedding table (rows gathered; also the head when there is no lm_head), the head, the experts
-    (a token uses top_k of them) and the rest of the layers (every token uses all of them)."""
+    (a token uses top_k of them), the LoRA adapters' slots (a token uses its own adapter's) and the
+    rest of the layers (every token uses all of them)."""
     flat = {"/".join(map(str, k)): v.value for k, v in nnx.to_flat_state(state)}
     tied = "lm_head" not in flat
-    roles = {r: {"bytes": 0, "elements": 0} for r in ("embedding", "head", "experts", "dense")}
+    roles = {r: {"bytes": 0, "elements": 0} for r in ("embedding", "head", "experts", "lora", "dense")}
     for name, x in flat.items():
         shard = x.sharding.shard_shape(x.shape)
         leaf = name.rsplit("/", 1)[-1]
@@ -166,6 +168,8 @@ def weight_roles(state) -> dict:
             role = "head" if tied else "embedding"
         elif name.startswith("lm_head"):
             role = "head"
+        elif "_lora_" in leaf:
+            role = "lora"
         else:
             role = "experts" if leaf.startswith("expert") else "dense"
         roles[role]["bytes"] += int(np.prod(shard)) * np.dtype(x.dtype).itemsize
@@ -213,6 +217,7 @@ def check(
     report.num_blocks, report.page_size = layout.num_blocks, layout.kv_spec.page_size
     report.kv_tokens = (layout.num_blocks - 1) * layout.kv_spec.page_size
     report.max_model_len = config.scheduler_config.max_model_len
+    report.max_loras = config.lora_config.max_loras if config.lora_config else 0
     report.buckets = layout.buckets.all()
     spec = layout.kv_spec
     report.shape = {

@@ -6,10 +6,11 @@ before their matmuls). The counts are per device, from the model's own sharded w
 (compile_check.weight_roles) and KV pool, for the padded bucket the engine would run:
 
 - bytes: every weight a step uses, read once (the embedding table only by its gathered rows; of
-  the experts, the expected share that at least one token of the step routes to), plus the KV of
+  the experts, the expected share that at least one token of the step routes to; every LoRA
+  adapter slot), plus the KV of
   every sequence's context, read once by the attention kernel;
-- FLOPs: 2 per matrix element per token (experts: top_k of num_experts per token; the head: the
-  sampled rows only), plus the attention's score and value products (4 x context x head_dim per
+- FLOPs: 2 per matrix element per token (experts: top_k of num_experts per token; LoRA: one
+  adapter's slot per token; the head: the sampled rows only), plus the attention's score and value products (4 x context x head_dim per
   query row and head).
 
 XLA's own cost analysis is kept in the reports but not used here: it does not see inside the
@@ -49,9 +50,11 @@ def step_cost(
     tokens, rows = bucket
     expert_share = s["top_k"] / s["num_experts"] if s["num_experts"] else 0.0
     touched = 1.0 - (1.0 - expert_share) ** queries  # the experts some token of the step routes to
-    nbytes = w["dense"]["bytes"] + w["head"]["bytes"] + touched * w["experts"]["bytes"]
+    lora = w.get("lora", {"bytes": 0, "elements": 0})  # every slot read; a token multiplies by one
+    nbytes = w["dense"]["bytes"] + w["head"]["bytes"] + touched * w["experts"]["bytes"] + lora["bytes"]
     nbytes += (sequences * context + queries) * s["kv_bytes_per_token"]  # read, and the new tokens' written
     matmul = tokens * (w["dense"]["elements"] + expert_share * w["experts"]["elements"])
+    matmul += tokens * lora["elements"] / max(1, report.max_loras)
     flops = 2.0 * (matmul + rows * w["head"]["elements"])
     heads = s["num_heads"] / report.tensor_parallel_size
     flops += 4.0 * queries * context * heads * s["head_dim"] * s["num_layers"]
