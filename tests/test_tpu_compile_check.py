@@ -165,6 +165,13 @@ def test_a_model_too_large_for_the_chip_is_one_line(tmp_path, shape_dir):
     assert len(lines) == 1 and "KV cache" in lines[0], done.stderr[-2000:]
 
 
+def test_a_model_that_does_not_split_is_one_line(tmp_path, shape_dir):
+    done, report = compile_check(tmp_path, shape_dir, "--topology", "v5e-4", "-tp", "3", *SMALL)
+    assert done.returncode == 1 and not report["programs"]
+    assert "attention heads (8) must be divisible by tensor_parallel_size (3)" in report["refused"]
+    assert len([line for line in done.stderr.splitlines() if "tp=3" in line]) == 1, done.stderr[-2000:]
+
+
 def test_unknown_topology_is_a_usage_error(tmp_path, shape_dir):
     done, _ = compile_check(tmp_path, shape_dir, "--topology", "v4-8")
     assert done.returncode == 2 and "--topology" in done.stderr

@@ -196,7 +196,11 @@ def check(
         return report
     pc, mc, cc = config.parallel_config, config.model_config, config.cache_config
     mesh = make_mesh(pc.tensor_parallel_size, pc.data_parallel_size, devices=devices)
-    graphdef, state = abstract_model(mc, mesh, pc, config.lora_config)
+    try:
+        graphdef, state = abstract_model(mc, mesh, pc, config.lora_config)
+    except ValueError as err:  # weights that do not split over this tensor parallel size
+        report.refused = str(err).splitlines()[0]
+        return report
     _, args = build_model_args(mc, pc, config.lora_config)
     chip = target.chip
     report.weights = weight_roles(state)
