@@ -8,11 +8,13 @@ cells compiled and fit (or why not), the memory per chip, and the projected thro
 tpu-inference CI's benchmark shapes next to the gates that CI holds them to.
 
     python benchmarks/tpu_compile_matrix.py --set gates            # tpu-inference's CI shapes
-    python benchmarks/tpu_compile_matrix.py --set matrix --jobs 2  # the whole matrix
+    python benchmarks/tpu_compile_matrix.py --set matrix --jobs 2  # the whole matrix, quick
+    python benchmarks/tpu_compile_matrix.py --set full --jobs 2    # every bucket and variant
     python benchmarks/tpu_compile_matrix.py --tables               # the Markdown from the reports
 
-Time on a 2-core VM (--programs quick: two programs a cell): about half a minute a cell; --programs
-default (every bucket, and every variant at the smallest and largest) about 10 s a program.
+Time on a 2-core VM with --jobs 2: the quick matrix (two programs a cell, 123 cells) about half an
+hour; a --programs default cell (56 programs: every bucket, every variant at the smallest and
+largest) 10 to 25 minutes, the six `full` cells about an hour and a half.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ DTYPES = {  # weights / KV pool
     "int8/bf16": ("-q", "int8"),
     "bf16/fp8": ("--kv-cache-dtype", "fp8"),
     "int8/int8": ("-q", "int8", "--kv-cache-dtype", "int8"),
+    "fp8/fp8": ("-q", "fp8", "--kv-cache-dtype", "fp8"),
 }
 TOPOLOGIES = {1: ("v5e-1", "v6e-1", "v5p-8"), 8: ("v5e-8", "v6e-8", "v5p-16")}
 # The default model's 9 query heads (3 KV heads) split over 3 devices, not 8: its multi-chip cells.
@@ -166,11 +169,6 @@ def run_cell(cell: Cell, output_dir: str) -> str:
     return f"{cell.name}: exit {done.returncode} in {seconds:.0f} s"
 
 
-def _dtypes(r: dict) -> str:
-    weights = {"gguf": "GGUF Q4_1", "int8": "int8"}.get(r.get("quantization"), "bf16")
-    return f"{weights} / {r.get('kv_cache_dtype', '?').replace('float8_e4m3fn', 'fp8').replace('bfloat16', 'bf16')}"
-
-
 def _status(r: dict) -> str:
     if r.get("crashed"):
         return "crashed: " + " ".join(r["crashed"])
@@ -193,13 +191,75 @@ def _projection(raw: dict) -> dict | None:
     return project(report, Target.parse(report.target).chip, Workload(**raw["workload"]))
 
 
+PREAMBLE = [
+    "# jaxserve's step programs compiled for TPU slices (libtpu on a CPU host; nothing ran)",
+    "",
+    "Made by `benchmarks/tpu_compile_matrix.py --tables` from the JSON reports beside this file, each one",
+    "run of `jaxserve tpu-compile-check` (libtpu 0.0.42.1, jax 0.10.2): the configuration `serve` would",
+    "build on the slice, the model's abstract weights with the engine's shardings, the KV pool the engine",
+    "would allocate at --gpu-memory-utilization 0.9 of the chip's HBM, and the runner's own step programs",
+    "compiled by libtpu with the Pallas attention kernel. Cells named `full_` compile every token bucket",
+    "and every sampler / structured-output variant (`--programs default`); the others the smallest and",
+    "largest bucket (`--programs quick`); `gate_` cells every bucket at tpu-inference's CI settings.",
+    "",
+    "A refusal is the engine's own, before any compile: weights that leave no room for a KV pool in the",
+    "chip's HBM (a hardware limit; the row says how many GiB and which tp would fit), or a model whose",
+    "heads do not split over the devices (the default model's 9 query heads split over 1, 3 or 9).",
+    "FAIL (known, to fix): the prompt-logprobs variants at the largest token bucket (8192 tokens) of an",
+    "8B model on one chip. They take the log-softmax of every token of the step over the whole",
+    "vocabulary at once (8192 x 128k float32 = 3.9 GiB a copy; XLA asks 19 to 36 GiB of temporaries);",
+    "computing them a chunk of rows at a time would bound that. Every other program of those cells fits.",
+    "",
+    "The throughput projection is a roofline estimate from the model's per-device bytes and FLOPs and",
+    "the chip's published peaks (jaxserve/aot/roofline.py); no TPU ran anything, and real throughput",
+    "is lower.",
+    "",
+]
+
+
+def _grid(reports: list[dict]) -> list[str]:
+    """One row per model and dtypes, one column per slice: ok, no room (the weights leave none for
+    a KV pool), no split (the model's heads do not split over the devices) or FAIL."""
+    cells, columns = {}, []
+    for r in reports:
+        if r["cell"].startswith("gate_") or r.get("crashed"):
+            continue
+        model = os.path.basename(r["model"]) if r["model"] != "default model" else "SmolLM2-135M (default)"
+        column = f"{r['target']} tp{r['tensor_parallel_size']}"
+        if column not in columns:
+            columns.append(column)
+        refused = r.get("refused") or ""
+        mark = "no room" if "KV cache" in refused else "no split" if refused else _status(r).split(" ")[0]
+        cells.setdefault((model, _cell_dtypes(r)), {})[column] = mark + (
+            " (all)" if r["cell"].startswith("full_") else ""
+        )
+    columns.sort(key=lambda c: (int(c.rsplit("tp", 1)[1]), c))
+    lines = ["## ok / fail per cell", "", "| model | weights / KV | " + " | ".join(columns) + " |",
+             "|---|---|" + "---|" * len(columns)]  # fmt: skip
+    for (model, dtypes), row in sorted(cells.items()):
+        lines.append(f"| {model} | {dtypes} | " + " | ".join(row.get(c, "") for c in columns) + " |")
+    return lines
+
+
+def _cell_dtypes(r: dict) -> str:
+    """The cell's weights / KV by its flags (a refused configuration reports no dtypes)."""
+    flags = r.get("flags", [])
+
+    def option(name: str, default: str) -> str:
+        return flags[flags.index(name) + 1] if name in flags else default
+
+    weights = option("-q", "GGUF Q4_1" if r.get("model") == "default model" else "bf16")
+    return f"{weights} / {option('--kv-cache-dtype', 'bf16')}"
+
+
 def tables(output_dir: str) -> str:
     reports = []
     for name in sorted(os.listdir(output_dir)):
         if name.endswith(".json"):
             with open(os.path.join(output_dir, name)) as fh:
                 reports.append(json.load(fh))
-    lines = ["| cell | model | slice | tp | weights / KV | programs | result | weights GiB/chip | KV pool GiB/chip (tokens) | XLA peak GiB / HBM GiB |",
+    lines = [*PREAMBLE, *_grid(reports), "", "## Every cell", ""]
+    lines += ["| cell | model | slice | tp | weights / KV | programs | result | weights GiB/chip | KV pool GiB/chip (tokens) | XLA peak GiB / HBM GiB |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in reports:
         if r.get("crashed"):
@@ -212,10 +272,11 @@ def tables(output_dir: str) -> str:
             if not r.get("refused") else "| |"
         )  # fmt: skip
         lines.append(
-            f"| {r['cell']} | {model} | {r['target']} | {r['tensor_parallel_size']} | {_dtypes(r)} | "
+            f"| {r['cell']} | {model} | {r['target']} | {r['tensor_parallel_size']} | {_cell_dtypes(r)} | "
             f"{len(r['programs'])} | {_status(r)} | {memory} |"
         )
-    lines += ["", "| tpu-inference gate | slice | tp | concurrency | decode step ms (bound) | prefill chunk ms | "
+    lines += ["", "## Projected throughput of tpu-inference's CI gate shapes (roofline: an upper bound)", ""]
+    lines += ["| tpu-inference gate | slice | tp | concurrency | decode step ms (bound) | prefill chunk ms | "
               "projected output tok/s | projected req/s | CI gate req/s |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in reports:
         if not r["cell"].startswith("gate_") or r.get("crashed") or r.get("refused"):
