@@ -1,6 +1,6 @@
 """Flags declared once, as dataclass fields: the machinery behind `EngineArgs` and `ServerArgs`.
 
-Where it sits: at the bottom of the command-line side, imported by `args.py` (the engine's flag
+Where it sits: at the bottom of the command-line side, imported by `args_fields.py` (the engine's flag
 table), `entrypoints/openai/server_args.py` (the server's) and `entrypoints/openai/cli_args.py`
 (which turns the fields into argparse flags). A field made with `arg` carries vLLM's help group,
 its tier (A works, B is refused unless supported, C is accepted and warned about) and vLLM's

@@ -19,7 +19,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("jaxserve.cli", "jaxserve.benchmarks", "jaxserve.entrypoints"),
     # the offline API, the package itself and the deviceless TPU compile check
     ("jaxserve", "jaxserve.llm", "jaxserve.metrics", "jaxserve.aot"),
-    ("jaxserve.args", "jaxserve.model_resolution", "jaxserve.flags"),
+    ("jaxserve.args", "jaxserve.args_to_config", "jaxserve.args_fields", "jaxserve.model_resolution",
+     "jaxserve.flags"),
     ("jaxserve.engine", "jaxserve.structured_output"),
     ("jaxserve.runner", "jaxserve.distributed"),
     ("jaxserve.loader", "jaxserve.lora"),  # LoRA adapters are read like checkpoints

@@ -282,7 +282,7 @@ def test_a_backend_this_platform_lacks_is_refused_before_the_model_resolves(monk
     def no_model(*args, **kwargs):
         raise AssertionError("the model was resolved")
 
-    monkeypatch.setattr("jaxserve.args.model_config_from_args", no_model)
+    monkeypatch.setattr("jaxserve.args_to_config.model_config_from_args", no_model)
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--attention-backend", "pallas"])
     assert exc.value.code == 2

@@ -1,0 +1,274 @@
+"""EngineArgs -> EngineConfig: the checks that need neither a model nor a device (`validate`),
+then the devices, the model and the configuration built from them (`build_engine_config`).
+
+Every refusal is a ValueError of one line that names the flag and what is supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+
+from jaxserve.args_fields import EngineArgsFields
+from jaxserve.config import (
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    LoRAConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    StructuredOutputsConfig,
+)
+from jaxserve.engine.tracing import exporter_class
+from jaxserve.flags import as_dict, check_flag_values, parse_human_int
+from jaxserve.model_resolution import devices, model_config_from_args, platform
+from jaxserve.reasoning import get_reasoning_parser
+from jaxserve.structured_output.grammar import check_backend
+
+logger = logging.getLogger(__name__)
+
+
+def validate(args: EngineArgsFields) -> None:
+    """Refuse what needs neither a model nor a device, so a bad command line fails before
+    anything starts (it touches no JAX device: a multi-process run must join its peers first).
+
+    Called again by `create_engine_config`; the tier-C warnings are logged once per EngineArgs.
+    """
+    if args.extra:
+        raise ValueError(f"unknown engine argument(s): {', '.join(sorted(args.extra))}.")
+    if args.worker_use_ray:
+        raise ValueError(
+            "--worker-use-ray (= --distributed-executor-backend ray) is not supported by jaxserve yet; "
+            "supported: one host (backend mp or uni)."
+        )
+    warnings = check_flag_values(args)
+    positive = (
+        "max_num_seqs", "tensor_parallel_size", "max_logprobs", "max_seq_len_to_capture",
+        "max_num_batched_tokens", "num_gpu_blocks_override", "max_parallel_loading_workers",
+    )  # fmt: skip
+    for name in positive:
+        value = getattr(args, name)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}.")
+    memory = parse_human_int(args.kv_cache_memory_bytes, "kv_cache_memory_bytes")
+    if memory is not None and memory <= 0:
+        raise ValueError(f"kv_cache_memory_bytes must be positive, got {args.kv_cache_memory_bytes}.")
+    if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 2:
+        raise ValueError("num_gpu_blocks_override must be at least 2 (one page is reserved for padding).")
+    if args.swap_space < 0:
+        raise ValueError(f"swap_space must be >= 0 GiB, got {args.swap_space}.")
+    if args.long_prefill_token_threshold < 0:
+        raise ValueError("long_prefill_token_threshold must be >= 0.")
+    version = args.show_hidden_metrics_for_version
+    if version is not None and not re.fullmatch(r"v?\d+(\.\d+){0,2}", str(version)):
+        raise ValueError(f"show_hidden_metrics_for_version must be a version such as 0.7, got {version!r}.")
+    if not isinstance(args.scheduler_delay_factor, (int, float)) or args.scheduler_delay_factor < 0:
+        raise ValueError(f"scheduler_delay_factor must be >= 0, got {args.scheduler_delay_factor!r}.")
+    if args.otlp_traces_endpoint:
+        exporter_class()  # the packages and the protocol are there
+    _check_kv_scales(args)
+    _check_rope(args)
+    _check_distributed(args)
+    _structured_outputs_config(args)
+    if args.data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {args.data_parallel_size}.")
+    if not getattr(args, "_warned", False):
+        for line in warnings:
+            logger.warning(line)
+        args._warned = True
+
+
+def _structured_outputs_config(args: EngineArgsFields) -> StructuredOutputsConfig:
+    """--structured-outputs-config over the older --guided-decoding-* flags and --reasoning-parser."""
+    given = as_dict(args.structured_outputs_config, "structured_outputs_config")
+    known = {f.name for f in dataclasses.fields(StructuredOutputsConfig)}
+    if set(given) - known:
+        raise ValueError(
+            f"structured_outputs_config keys {sorted(set(given) - known)} are not known; known: {sorted(known)}."
+        )
+    if args.enable_reasoning and not args.reasoning_parser:
+        raise ValueError("--enable-reasoning needs --reasoning-parser (which alone is enough).")
+    config = StructuredOutputsConfig(
+        backend=args.guided_decoding_backend,
+        disable_fallback=args.guided_decoding_disable_fallback,
+        disable_any_whitespace=args.guided_decoding_disable_any_whitespace,
+        disable_additional_properties=args.guided_decoding_disable_additional_properties,
+        reasoning_parser=args.reasoning_parser or "",
+    )
+    config = dataclasses.replace(config, **given)
+    check_backend(
+        config.backend,
+        "--structured-outputs-config backend" if "backend" in given else "--guided-decoding-backend",
+    )
+    if config.reasoning_parser:
+        get_reasoning_parser(config.reasoning_parser)
+    return config
+
+
+def _check_distributed(args: EngineArgsFields) -> None:
+    """The multi-process flags hang together."""
+    if args.distributed_executor_backend != "jax":
+        for name in ("data_parallel_address", "data_parallel_rpc_port", "num_processes", "process_id"):
+            if getattr(args, name) is not None:
+                raise ValueError(f"--{name.replace('_', '-')} needs --distributed-executor-backend jax.")
+        return
+    if args.data_parallel_size > 1:
+        raise ValueError("--distributed-executor-backend jax serves one replica (-dp 1) for now.")
+    given = [args.data_parallel_address, args.num_processes, args.process_id]
+    if any(v is not None for v in given) and any(v is None for v in given):
+        raise ValueError(
+            "--distributed-executor-backend jax needs --data-parallel-address, --num-processes and "
+            "--process-id together (or none of them on a TPU VM, where JAX finds them)."
+        )
+    if args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
+        raise ValueError(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}.")
+
+
+def _check_kv_scales(args: EngineArgsFields) -> None:
+    """Where a quantized KV cache's scales come from: one source at most, a file that is there.
+    (With --kv-cache-dtype auto there are no scales, and, as in vLLM, neither flag matters.)"""
+    path, calculate = args.quantization_param_path, args.calculate_kv_scales
+    if path and calculate:
+        raise ValueError("Give --quantization-param-path or --calculate-kv-scales, not both.")
+    if path and not os.path.isfile(os.path.expanduser(path)):
+        raise ValueError(f"--quantization-param-path {path!r} is not a file.")
+
+
+def _check_rope(args: EngineArgsFields) -> None:
+    scaling = as_dict(args.rope_scaling, "rope_scaling")
+    if args.rope_theta is not None and not args.rope_theta > 0:
+        raise ValueError(f"--rope-theta must be positive, got {args.rope_theta}.")
+    if not scaling:
+        return
+    from jaxserve.layers.rotary import ROPE_REQUIRED_KEYS
+
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type not in ROPE_REQUIRED_KEYS:
+        raise ValueError(
+            f"--rope-scaling rope_type {rope_type!r} is not supported by jaxserve; "
+            f"supported: {', '.join(ROPE_REQUIRED_KEYS)}."
+        )
+    missing = [key for key in ROPE_REQUIRED_KEYS[rope_type] if key not in scaling]
+    if missing:
+        raise ValueError(f"--rope-scaling of rope_type {rope_type!r} needs {', '.join(missing)}.")
+
+
+def build_engine_config(args: EngineArgsFields) -> EngineConfig:
+    """Validate, join the other processes if asked (before any device is touched: JAX requires
+    it), check the devices, then resolve the model once."""
+    validate(args)
+    from jaxserve import distributed
+
+    distributed.initialize_from_args(args)
+    backend = _attention_backend(args)
+    model_config = model_config_from_args(args)
+    return EngineConfig(
+        model_config=model_config,
+        cache_config=_cache_config(args, backend, model_config.dtype),
+        scheduler_config=_scheduler_config(args, model_config.max_model_len),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            data_parallel_size=args.data_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
+        ),
+        compilation_config=_compilation_config(args, backend),
+        structured_outputs_config=_structured_outputs_config(args),
+        lora_config=_lora_config(args),
+        otlp_traces_endpoint=args.otlp_traces_endpoint or None,
+    )
+
+
+def _attention_backend(args: EngineArgsFields) -> str:
+    """--attention-backend resolved for this platform, and enough devices for the mesh."""
+    from jaxserve.layers.attention import resolve_attention_backend
+
+    backend = resolve_attention_backend(args.attention_backend, platform())
+    if backend == "tpu-interpret" and args.tensor_parallel_size > 1:
+        raise ValueError(
+            "--attention-backend pallas-tpu-interpret runs on one device: JAX's TPU interpreter stalls "
+            "in a step split over several (use pallas-gpu-interpret or reference with -tp)."
+        )
+    visible = len(devices())
+    if args.tensor_parallel_size * args.data_parallel_size > visible:
+        raise ValueError(
+            f"tensor_parallel_size={args.tensor_parallel_size} x data_parallel_size="
+            f"{args.data_parallel_size} needs that many devices; {visible} visible."
+        )
+    return backend
+
+
+def _scheduler_config(args: EngineArgsFields, max_len: int) -> SchedulerConfig:
+    batched = args.max_num_batched_tokens or (2048 if platform() == "cpu" else 8192)
+    if not args.enable_chunked_prefill and batched < max_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({batched}) is smaller than max_model_len ({max_len}) with chunked "
+            "prefill disabled: a long prompt could never be scheduled. Raise it or enable chunked prefill."
+        )
+    if batched < args.max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens ({batched}) must be >= max_num_seqs ({args.max_num_seqs}).")
+    return SchedulerConfig(
+        max_num_batched_tokens=batched,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=max_len,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        policy=args.scheduling_policy,
+        preemption_mode=args.preemption_mode,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        delay_factor=args.scheduler_delay_factor,
+        async_scheduling=args.async_scheduling is not False,
+    )
+
+
+def _cache_config(args: EngineArgsFields, backend: str, model_dtype) -> CacheConfig:
+    from jaxserve.layers.attention import check_page_size, default_block_size
+
+    cache = CacheConfig(
+        block_size=args.block_size or default_block_size(backend, args.kv_cache_dtype),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=parse_human_int(args.kv_cache_memory_bytes, "kv_cache_memory_bytes"),
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        cache_dtype=args.kv_cache_dtype,
+        quantization_param_path=args.quantization_param_path,
+        calculate_kv_scales=args.calculate_kv_scales,
+    )
+    check_page_size(backend, cache.block_size, cache.kv_pool_dtype(model_dtype))
+    return cache
+
+
+def _compilation_config(args: EngineArgsFields, backend: str) -> CompilationConfig:
+    comp = as_dict(args.compilation_config, "compilation_config")
+    unknown = set(comp) - {"token_buckets", "seq_buckets", "cache_dir"}
+    if unknown:
+        raise ValueError(f"compilation_config keys {sorted(unknown)} are not supported.")
+    return CompilationConfig(
+        enforce_eager=args.enforce_eager,
+        token_buckets=tuple(comp["token_buckets"]) if "token_buckets" in comp else None,
+        seq_buckets=tuple(comp["seq_buckets"]) if "seq_buckets" in comp else None,
+        cache_dir=comp.get("cache_dir"),
+        min_token_bucket=1 if platform() == "cpu" else 16,
+        attention_backend=backend,
+    )
+
+
+def _lora_config(args: EngineArgsFields) -> LoRAConfig | None:
+    if not args.enable_lora:
+        return None
+    if args.max_loras < 1 or not 1 <= args.max_lora_rank <= 512:
+        raise ValueError(
+            f"max_loras must be >= 1 and max_lora_rank in [1, 512], got {args.max_loras} and {args.max_lora_rank}."
+        )
+    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
+        raise ValueError(f"max_cpu_loras ({args.max_cpu_loras}) must be >= max_loras ({args.max_loras}).")
+    return LoRAConfig(
+        args.max_loras,
+        args.max_lora_rank,
+        args.max_cpu_loras,
+        args.enable_lora_bias,
+        args.fully_sharded_loras,
+    )
