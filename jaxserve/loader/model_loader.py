@@ -38,11 +38,6 @@ def build_model_args(
     _, entry = resolve_architecture(model_config.hf_config)
     args = entry.make_args(model_config.hf_config, model_config.max_model_len)
     tp = parallel.tensor_parallel_size if parallel is not None else 1
-    if args.num_heads % tp:
-        raise ValueError(
-            f"Total number of attention heads ({args.num_heads}) must be divisible by "
-            f"tensor_parallel_size ({tp})."
-        )
     if lora is not None:
         if lora.fully_sharded and lora.max_lora_rank % tp:
             raise ValueError(
@@ -78,6 +73,11 @@ def build_model_args(
         raise ValueError(
             f"vocab_size ({args.vocab_size}) must be divisible by tensor_parallel_size ({tp}): the "
             "embedding and the LM head are split by vocabulary rows (padding is not implemented)."
+        )
+    if args.num_heads % tp:
+        raise ValueError(
+            f"Total number of attention heads ({args.num_heads}) must be divisible by "
+            f"tensor_parallel_size ({tp})."
         )
     if args.num_kv_heads < tp:  # each device needs a whole KV head: store copies (as vLLM does)
         if tp % args.num_kv_heads:
