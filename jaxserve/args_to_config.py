@@ -166,10 +166,11 @@ def build_engine_config(args: EngineArgsFields) -> EngineConfig:
     distributed.initialize_from_args(args)
     backend = _attention_backend(args)
     model_config = model_config_from_args(args)
+    scheduler_config = _scheduler_config(args, model_config.max_model_len)  # (checked before the cache)
     return EngineConfig(
         model_config=model_config,
         cache_config=_cache_config(args, backend, model_config.dtype),
-        scheduler_config=_scheduler_config(args, model_config.max_model_len),
+        scheduler_config=scheduler_config,
         parallel_config=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
             data_parallel_size=args.data_parallel_size,

@@ -66,9 +66,8 @@ class Target:
         os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")  # quiets libtpu's host probing
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-        os.environ.setdefault(
-            "ALLOW_MULTIPLE_LIBTPU_LOAD", "1"
-        )  # compiles run side by side; none owns a chip
+        # several compile checks may run side by side: none of them owns a chip
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         try:
             from jax.experimental import topologies
 

@@ -7,11 +7,10 @@ before their matmuls). The counts are per device, from the model's own sharded w
 
 - bytes: every weight a step uses, read once (the embedding table only by its gathered rows; of
   the experts, the expected share that at least one token of the step routes to; every LoRA
-  adapter slot), plus the KV of
-  every sequence's context, read once by the attention kernel;
+  adapter slot), plus the KV of every sequence's context, read once by the attention kernel;
 - FLOPs: 2 per matrix element per token (experts: top_k of num_experts per token; LoRA: one
-  adapter's slot per token; the head: the sampled rows only), plus the attention's score and value products (4 x context x head_dim per
-  query row and head).
+  adapter's slot per token; the head: the sampled rows only), plus the attention's score and
+  value products (4 x context x head_dim per query row and head).
 
 XLA's own cost analysis is kept in the reports but not used here: it does not see inside the
 Pallas kernel and counts the layer loop's body once. The result is a best case: no host time,
