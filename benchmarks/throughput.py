@@ -10,7 +10,7 @@ model start-up are reported apart (start-up includes jaxserve's bucket precompil
     python benchmarks/throughput.py --num-prompts 8 --input-len 32 --output-len 32 [engine flags]
 
 `--sampling-costs` also times, in the same engine and on the same prompts, greedy decoding
-with penalties (presence, frequency, repetition) and with logprobs=5, and reports each
+with penalties (presence, frequency, repetition) and with logprobs=5 and with prompt_logprobs=1, and reports each
 against plain greedy (each variant's step is compiled in a short warm-up first).
 """
 
@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--sampling-costs",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="Also time penalties and logprobs=5 against plain greedy decoding, same engine, same prompts.",
+        help="Also time penalties, logprobs=5 and prompt_logprobs=1 against plain greedy decoding, same "
+        "engine, same prompts.",
     )
     # --seed (the engine's) also seeds the random prompts, as in vLLM.
     add_engine_args(parser, model_positional=False)
@@ -106,6 +107,7 @@ SAMPLING_VARIANTS = {
     "plain": {},
     "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1},
     "logprobs5": {"logprobs": 5},
+    "prompt_logprobs1": {"prompt_logprobs": 1},
 }
 
 

@@ -46,6 +46,7 @@ from jaxserve.layers.linear import (
 from jaxserve.layers.moe import MoEArgs, moe_mlp
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import apply_rope, rope_attention_scaling, rope_inv_freq
+from jaxserve.models.causal_lm import CausalLM
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ def _windows(layer_windows: tuple[int | None, ...]) -> tuple[int | None, np.ndar
     return None, np.asarray([w or _NO_WINDOW for w in layer_windows], np.int32)
 
 
-class LlamaForCausalLM(nnx.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, args: LlamaArgs, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.args = args
         self.dtype = jnp.dtype(dtype)  # the activations' (a quantized table's rows are cast to it)
@@ -218,15 +219,14 @@ class LlamaForCausalLM(nnx.Module):
         if not a.tie_word_embeddings:
             self.lm_head = _param(rngs, (a.hidden_size, a.vocab_size), ("embed", "vocab"), dtype)
 
-    def __call__(
+    def hidden_states(
         self,
         input_ids: jax.Array,  # [num_tokens] int32
         positions: jax.Array,  # [num_tokens] int32
         kv_pool: jax.Array,  # [num_layers * pages_per_layer, 2 * num_kv_heads, page_size, head_dim]
         meta: AttentionMetadata,
-        logits_indices: jax.Array,  # [num_logits] int32, rows of the batch to compute logits for
         lora_slots: jax.Array | None = None,  # [num_tokens] int32, each token's LoRA slot (-1: none)
-    ) -> tuple[jax.Array, jax.Array]:  # ([num_logits, vocab] float32, kv_pool)
+    ) -> tuple[jax.Array, jax.Array]:  # ([num_tokens, hidden], before the final norm; kv_pool)
         a = self.args
         num_tokens = input_ids.shape[0]
         pages_per_layer = kv_pool.shape[0] // a.num_layers
@@ -296,14 +296,20 @@ class LlamaForCausalLM(nnx.Module):
             return (x, kv_pool), None
 
         (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), (sliced, xs))
-        x = norm(x[logits_indices], self.norm.value)
+        return x, kv_pool
+
+    def compute_logits(self, x: jax.Array) -> jax.Array:
+        """[rows, vocab] float32 logits of hidden states [rows, hidden] (hidden_states' rows)."""
+        a = self.args
+        x = rms_norm(x, self.norm.value, a.rms_norm_eps, a.norm_offset)
         if a.tie_word_embeddings:
-            logits = tied_head(x, self.embed_tokens.value, scale)
+            scale = getattr(self, "embed_tokens" + SCALE_SUFFIX, None)
+            logits = tied_head(x, self.embed_tokens.value, None if scale is None else scale.value)
         else:
             logits = jnp.dot(x, self.lm_head.value, preferred_element_type=jnp.float32)
         if a.final_soft_cap is not None:
             logits = a.final_soft_cap * jnp.tanh(logits / a.final_soft_cap)
-        return logits, kv_pool
+        return logits
 
     @staticmethod
     def hf_weight_map(args: LlamaArgs) -> dict[str, tuple[str, int | tuple[int, int] | None, bool]]:

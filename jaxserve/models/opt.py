@@ -26,6 +26,7 @@ from jaxserve.config import LoRAConfig
 from jaxserve.layers.activation import ACTIVATIONS
 from jaxserve.layers.attention import AttentionMetadata, paged_attention
 from jaxserve.layers.linear import kernel_params, linear, linears, lora_mask, lora_params
+from jaxserve.models.causal_lm import CausalLM
 from jaxserve.models.llama import _param
 
 
@@ -145,7 +146,7 @@ class OPTLayers(nnx.Module):
         return {name: var.value for name, var in vars(self).items() if isinstance(var, nnx.Param)}
 
 
-class OPTForCausalLM(nnx.Module):
+class OPTForCausalLM(CausalLM):
     def __init__(self, args: OPTArgs, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.args = a = args
         e, d = a.hidden_size, a.word_embed_proj_dim
@@ -162,15 +163,14 @@ class OPTForCausalLM(nnx.Module):
         if not a.tie_word_embeddings:
             self.lm_head = _param(rngs, (d, a.vocab_size), ("embed", "vocab"), dtype)
 
-    def __call__(
+    def hidden_states(
         self,
         input_ids: jax.Array,  # [num_tokens] int32
         positions: jax.Array,  # [num_tokens] int32
         kv_pool: jax.Array,  # [num_layers * pages_per_layer, 2 * num_kv_heads, page_size, head_dim]
         meta: AttentionMetadata,
-        logits_indices: jax.Array,  # [num_logits] int32, rows of the batch to compute logits for
         lora_slots: jax.Array | None = None,  # [num_tokens] int32, each token's LoRA slot (-1: none)
-    ) -> tuple[jax.Array, jax.Array]:  # ([num_logits, vocab] float32, kv_pool)
+    ) -> tuple[jax.Array, jax.Array]:  # ([num_tokens, hidden], before the final norm; kv_pool)
         a = self.args
         num_tokens = input_ids.shape[0]
         pages_per_layer = kv_pool.shape[0] // a.num_layers
@@ -206,7 +206,11 @@ class OPTForCausalLM(nnx.Module):
 
         xs = (self.layers.stacked(), jnp.arange(a.num_layers, dtype=jnp.int32))
         (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), xs)
-        x = x[logits_indices]
+        return x, kv_pool
+
+    def compute_logits(self, x: jax.Array) -> jax.Array:
+        """[rows, vocab] float32 logits of hidden states [rows, hidden] (hidden_states' rows)."""
+        a = self.args
         if a.final_norm:
             affine = a.norm_affine
             weight, bias = (self.final_norm.value, self.final_norm_bias.value) if affine else (None, None)
@@ -214,8 +218,7 @@ class OPTForCausalLM(nnx.Module):
         if a.word_embed_proj_dim != a.hidden_size:
             x = x @ self.project_out.value
         head = self.embed_tokens.value.T if a.tie_word_embeddings else self.lm_head.value
-        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
-        return logits, kv_pool
+        return jnp.dot(x, head, preferred_element_type=jnp.float32)
 
     @staticmethod
     def hf_weight_map(args: OPTArgs) -> dict[str, tuple[str, int | None, bool]]:

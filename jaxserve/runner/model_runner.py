@@ -320,9 +320,9 @@ class ModelRunner:
             (blocks + 1) * self.args.num_layers * self.page_size,
             self.attention_backend,
         )
-        run = jax.jit(partial(forward, graphdef=self.graphdef, variant=StepVariant()))
+        run = jax.jit(partial(forward, graphdef=self.graphdef, variant=StepVariant(), num_top_logprobs=1))
         with jax.set_mesh(self.mesh):
-            pool, _ = run(self.state, pool, self._last_tokens, jax.device_put(inputs, self._replicated))
+            pool, *_ = run(self.state, pool, self._last_tokens, jax.device_put(inputs, self._replicated))
         # [layers * pages, 2 * heads, page, head_dim] -> largest |k| and |v| of each layer
         amax = jnp.abs(pool).reshape(
             self.args.num_layers, -1, spec.num_kv_heads, 2, spec.page_size, spec.head_dim
@@ -447,12 +447,13 @@ class ModelRunner:
         last = self._last_tokens
         if variant.with_token_bitmask:
             forward_program, sample_program = compiled
-            self.kv_pool, logits = forward_program(self.state, self.kv_pool, last, packed)
+            self.kv_pool, logits, prompt = forward_program(self.state, self.kv_pool, last, packed)
             if fill_bitmask is not None:
                 fill_bitmask(bitmask)  # the host's work while the device runs the forward pass
             processors, self._last_tokens, result = sample_program(
                 logits, processors, packed, jax.device_put(bitmask, self._replicated), last
             )
+            result = dataclasses.replace(result, prompt=prompt)
         else:
             self.kv_pool, processors, self._last_tokens, result = compiled(
                 self.state, self.kv_pool, processors, last, packed

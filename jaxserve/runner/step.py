@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -36,6 +37,8 @@ from jaxserve.runner.batch import BatchInputs, PackedBatch, unpacked
 from jaxserve.scheduler_output import SchedulerOutput, TopLogprobs
 
 _SAMPLING, _PROMPT_TARGETS, _EXTRAS = map(attrgetter, ("sampling", "prompt_logprob_targets", "extras"))
+# Rows of prompt logprobs computed at once: their [rows, vocab] float32 logits are live together.
+PROMPT_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -96,21 +99,47 @@ def forward(
     *,
     graphdef: nnx.GraphDef,
     variant: StepVariant,
-) -> tuple[jax.Array, jax.Array]:
-    """The model over the batch: (kv_pool, logits), the logits at the sampled rows, or at every
-    fed token for the prompt-logprobs variant."""
+    num_top_logprobs: int,
+) -> tuple[jax.Array, jax.Array, TopLogprobs[jax.Array] | None]:
+    """The model over the batch: (kv_pool, the logits at the sampled rows, the prompt logprobs
+    at every fed token for the prompt-logprobs variant, else None)."""
     inputs = unpacked(inputs)
     model = nnx.merge(graphdef, state)
-    all_rows = variant.with_prompt_logprobs
-    rows = jnp.arange(inputs.input_ids.shape[0], dtype=jnp.int32) if all_rows else inputs.logits_indices
     fed = jnp.where(inputs.feed_rows >= 0, last_tokens[jnp.maximum(inputs.feed_rows, 0)], inputs.input_ids)
     lora = {} if inputs.lora_slots is None else {"lora_slots": inputs.lora_slots}
-    logits, kv_pool = model(fed, inputs.positions, kv_pool, inputs.meta, rows, **lora)
-    return kv_pool, logits
+    hidden, kv_pool = model.hidden_states(fed, inputs.positions, kv_pool, inputs.meta, **lora)
+    logits = model.compute_logits(hidden[inputs.logits_indices])
+    prompt = None
+    if variant.with_prompt_logprobs:
+        targets = jnp.maximum(inputs.prompt_targets, 0)
+        prompt = prompt_logprobs(model.compute_logits, hidden, targets, num_top_logprobs)
+    return kv_pool, logits, prompt
+
+
+def prompt_logprobs(
+    compute_logits: Callable[[jax.Array], jax.Array],
+    hidden: jax.Array,  # [num_tokens, hidden]
+    targets: jax.Array,  # [num_tokens] int32, the token each row is ranked against
+    k: int,
+) -> TopLogprobs[jax.Array]:
+    """The top-k and each target's logprob and rank at every row, PROMPT_CHUNK rows at a time:
+    a long prefill's logits never exist whole ([8192, 128k] float32 is 4 GiB; a chunk is 256 MiB)."""
+    n = hidden.shape[0]
+    chunk = min(n, PROMPT_CHUNK)
+    pad = -n % chunk
+    hidden = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[-1])
+    targets = jnp.pad(targets, (0, pad)).reshape(-1, chunk)
+
+    def rows(chunk_of: tuple[jax.Array, jax.Array]) -> TopLogprobs[jax.Array]:
+        h, t = chunk_of
+        return top_logprobs(jax.nn.log_softmax(compute_logits(h), axis=-1), t, k)
+
+    out = jax.lax.map(rows, (hidden, targets))
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:n], out)
 
 
 def sample_step(
-    logits: jax.Array,  # forward's logits
+    logits: jax.Array,  # forward's logits at the sampled rows
     processors: ProcessorState | None,  # given exactly when variant.with_processor_state; donated
     inputs: BatchInputs | PackedBatch,
     bitmask: jax.Array | None,  # [num_seqs, ceil(vocab / 32)] int32, given exactly when with_token_bitmask
@@ -120,23 +149,16 @@ def sample_step(
     num_top_logprobs: int,
 ) -> tuple[ProcessorState | None, jax.Array, StepResult]:
     """Sampling and the logprobs asked for, from forward's logits: (processor state, the sampled
-    tokens padded like last_tokens, results)."""
+    tokens padded like last_tokens, results; their prompt logprobs are forward's to fill in)."""
     inputs = unpacked(inputs)
-    all_rows = variant.with_prompt_logprobs
-    sample_logits = logits[inputs.logits_indices] if all_rows else logits
     if bitmask is not None:
-        sample_logits = apply_token_bitmask(sample_logits, bitmask)
+        logits = apply_token_bitmask(logits, bitmask)
     k = num_top_logprobs if variant.with_top_logprobs else 0
-    tokens, logprobs, top = sample(sample_logits, inputs.sampling, processors, k)
-    prompt = None
-    if all_rows:
-        targets = jnp.maximum(inputs.prompt_targets, 0)
-        lps = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        prompt = top_logprobs(lps, targets, num_top_logprobs)
+    tokens, logprobs, top = sample(logits, inputs.sampling, processors, k)
     if processors is not None:
         processors = count_sampled(processors, inputs.sampling.slot, tokens)
     sampled = jnp.zeros_like(last_tokens).at[: tokens.shape[0]].set(tokens)
-    return processors, sampled, StepResult(tokens, logprobs, top, prompt)
+    return processors, sampled, StepResult(tokens, logprobs, top, None)
 
 
 def step(
@@ -152,8 +174,16 @@ def step(
 ) -> tuple[jax.Array, ProcessorState | None, jax.Array, StepResult]:
     """One step, fused: (kv_pool, processor state, sampled tokens padded like last_tokens,
     results). The keyword arguments are static (bind them before jit); the rest are traced."""
-    kv_pool, logits = forward(state, kv_pool, last_tokens, inputs, graphdef=graphdef, variant=variant)
+    kv_pool, logits, prompt = forward(
+        state,
+        kv_pool,
+        last_tokens,
+        inputs,
+        graphdef=graphdef,
+        variant=variant,
+        num_top_logprobs=num_top_logprobs,
+    )
     processors, sampled, result = sample_step(
         logits, processors, inputs, None, last_tokens, variant=variant, num_top_logprobs=num_top_logprobs
     )
-    return kv_pool, processors, sampled, result
+    return kv_pool, processors, sampled, dataclasses.replace(result, prompt=prompt)

@@ -143,7 +143,7 @@ class StepPrograms:
         for v in StepVariant.all():
             if v.with_token_bitmask:
                 self.programs["forward", v] = jax.jit(
-                    partial(forward, graphdef=g, variant=v), donate_argnums=(1,)
+                    partial(forward, graphdef=g, variant=v, num_top_logprobs=k), donate_argnums=(1,)
                 )
                 self.programs["sample", v] = jax.jit(
                     partial(sample_step, variant=v, num_top_logprobs=k), donate_argnums=(1,)

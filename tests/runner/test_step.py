@@ -5,11 +5,14 @@ each backend's own kernel instead of silently reusing the first trace."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tiny_models import engine_kwargs
 
 from jaxserve.args import EngineArgs
+from jaxserve.layers.sampler import top_logprobs
 from jaxserve.runner import batch as batch_lib
+from jaxserve.runner import step as step_lib
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.step import StepVariant
 from jaxserve.scheduler_output import SamplingRow, ScheduledSeq, SchedulerOutput
@@ -76,3 +79,18 @@ def test_one_jitted_step_traced_for_two_backends_runs_each_ones_kernel(tiny_llam
     ref, kernel = results["reference"], results["gpu-interpret"]
     np.testing.assert_array_equal(kernel.tokens[:2], ref.tokens[:2])
     np.testing.assert_allclose(kernel.logprobs[:2], ref.logprobs[:2], atol=1e-5)
+
+
+def test_prompt_logprobs_in_chunks_equal_the_whole(monkeypatch):
+    """Rows ranked PROMPT_CHUNK at a time, the last chunk padded, give what the whole
+    [rows, vocab] log-softmax gives: same top-k, same target logprobs and ranks."""
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.standard_normal((37, 8)), jnp.float32)
+    head = jnp.asarray(rng.standard_normal((8, 50)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 50, 37), jnp.int32)
+    whole = top_logprobs(jax.nn.log_softmax(hidden @ head, axis=-1), targets, 5)
+    monkeypatch.setattr(step_lib, "PROMPT_CHUNK", 16)  # 3 chunks, the last 5 rows of padding
+    chunked = step_lib.prompt_logprobs(lambda h: h @ head, hidden, targets, 5)
+    for got, want in zip(jax.tree.leaves(chunked), jax.tree.leaves(whole), strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)

@@ -1,0 +1,45 @@
+"""What every model family gives the step: hidden states over a ragged token batch, then logits
+at whichever rows need them.
+
+The two halves are separate so that the step decides where the vocabulary-sized work happens:
+logits at the sampled rows only, or, for prompt logprobs, at every fed token a chunk at a time
+(runner/step.py); `__call__` joins them for callers that want logits at some rows in one call.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from jaxserve.layers.attention import AttentionMetadata
+
+
+class CausalLM(nnx.Module):
+    """A decoder: `hidden_states` runs the layers (writing the batch's KV into the pool),
+    `compute_logits` the final norm and the head."""
+
+    def __call__(
+        self,
+        input_ids: jax.Array,  # [num_tokens] int32
+        positions: jax.Array,  # [num_tokens] int32
+        kv_pool: jax.Array,  # [num_layers * pages_per_layer, 2 * num_kv_heads, page_size, head_dim]
+        meta: AttentionMetadata,
+        logits_indices: jax.Array,  # [num_logits] int32, rows of the batch to compute logits for
+        lora_slots: jax.Array | None = None,  # [num_tokens] int32, each token's LoRA slot (-1: none)
+    ) -> tuple[jax.Array, jax.Array]:  # ([num_logits, vocab] float32, kv_pool)
+        x, kv_pool = self.hidden_states(input_ids, positions, kv_pool, meta, lora_slots)
+        return self.compute_logits(x[logits_indices]), kv_pool
+
+    def hidden_states(
+        self,
+        input_ids: jax.Array,  # [num_tokens] int32
+        positions: jax.Array,  # [num_tokens] int32
+        kv_pool: jax.Array,  # [num_layers * pages_per_layer, 2 * num_kv_heads, page_size, head_dim]
+        meta: AttentionMetadata,
+        lora_slots: jax.Array | None = None,  # [num_tokens] int32, each token's LoRA slot (-1: none)
+    ) -> tuple[jax.Array, jax.Array]:  # ([num_tokens, hidden], before the final norm; kv_pool)
+        raise NotImplementedError
+
+    def compute_logits(self, x: jax.Array) -> jax.Array:
+        """[rows, vocab] float32 logits of hidden states [rows, hidden] (hidden_states' rows)."""
+        raise NotImplementedError
