@@ -46,7 +46,7 @@ class SamplingRow:
     logprobs: int | None = None  # the request's `logprobs`: top-k wanted (and the sampled token's rank)
     constrained: bool = False  # structured outputs: the runner applies the row's grammar mask
 
-    # The row's numbers in the order of the runner's sampling arrays, made once per row (a row
+    # The row's numbers in the order of FLOAT_COLUMNS and INT_COLUMNS, made once per row (a row
     # serves a request for many steps) rather than every step.
     @functools.cached_property
     def float_params(self) -> tuple[float, ...]:
@@ -66,8 +66,19 @@ class SamplingRow:
 
     @functools.cached_property
     def int_params(self) -> tuple[int, ...]:
-        """top_k, the seed's low 32 bits, -output_start, slot."""
+        """top_k, the seed's low 32 bits, -output_start (the step adds the row's position), slot."""
         return (self.top_k, self.seed & 0xFFFFFFFF, -self.output_start, self.slot)
+
+
+# The runner's sampling arrays (layers/sampler.py SamplingArrays) built from SamplingRow's
+# float_params and int_params, column by column in this order: each array's name, and what a
+# row that samples nothing holds (greedy, no filter, no penalty, no slot).
+FLOAT_COLUMNS: dict[str, float] = {
+    "temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "presence": 0.0, "frequency": 0.0, "repetition": 1.0
+}  # fmt: skip
+INT_COLUMNS: dict[str, tuple[int, type]] = {
+    "top_k": (0, np.int32), "seeds": (0, np.uint32), "steps": (0, np.int32), "slot": (-1, np.int32)
+}  # fmt: skip
 
 
 @dataclass(frozen=True)

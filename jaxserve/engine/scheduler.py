@@ -30,14 +30,21 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.block_manager import BlockManager, PrefixCacheStats
 from jaxserve.engine.lora_slots import LoRASlots
 from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.request_rows import (
+    extend_prompt_logprobs,
+    fed_token_ids,
+    prompt_logprob_targets,
+    sampling_row,
+    stop_status,
+    target_tokens,
+)
+from jaxserve.engine.step_plan import Admission, InFlightStep, StepPlan
 from jaxserve.scheduler_output import (
     PLACEHOLDER_TOKEN,
     ModelRunnerOutput,
-    SamplingRow,
     ScheduledSeq,
     SchedulerOutput,
     SlotInit,
-    TopLogprobs,
 )
 
 
@@ -65,8 +72,8 @@ class Scheduler:
         # (priority, arrival_time), preempted requests re-inserted by the same key.
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # in scheduling order; the tail is preempted first
-        # Steps scheduled and not yet updated: id -> (the step, its sampling requests in row order)
-        self._unreported: dict[int, tuple[SchedulerOutput, tuple[Request, ...]]] = {}
+        # Steps scheduled and not yet updated, by id
+        self._unreported: dict[int, InFlightStep] = {}
         self._sampled_rows: dict[str, int] = {}  # request id -> its sampled row in the last step
         self.num_preemptions = 0
         # long_prefill_token_threshold, where it applies (chunked prefill on); 0: no cap
@@ -148,103 +155,105 @@ class Scheduler:
     def schedule(self, max_tokens: int | None = None) -> SchedulerOutput:
         """max_tokens: a lower token budget for this step (the runner's largest compiled shape
         while the rest still compile at start-up)."""
-        budget = min(self.config.max_num_batched_tokens, max_tokens or self.config.max_num_batched_tokens)
-        num_new: dict[str, int] = {}  # request id -> tokens scheduled this step
-        scheduled: list[Request] = []  # in the order the rows are laid out
-        preempted = False
-
-        # 1. Running requests, in order: decodes and the next chunks of ongoing prefills.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = self._chunk_size(req, req.num_computed_tokens, budget)
-            if n <= 0:
-                i += 1
-                continue
-            while not self.block_manager.allocate(req.request_id, req.num_computed_tokens + n):
-                victim = self._pick_victim()
-                preempted = True
-                if victim.request_id in num_new:
-                    # Already scheduled this step (possible under the priority policy):
-                    # give back its tokens and its row.
-                    budget += num_new.pop(victim.request_id)
-                    scheduled.remove(victim)
-                self._preempt(victim)
-                if victim is req:
-                    break
-                i = self.running.index(req)  # the victim may have stood before req
-            else:
-                scheduled.append(req)
-                num_new[req.request_id] = n
-                budget -= n
-                i += 1
-                continue
-            break  # the request preempted itself: nothing below it can get pages either
-
-        # 2. Waiting requests, unless this step had to preempt: pages are short, and the
-        # preempted requests must not be readmitted ahead of the running ones.
+        limit = self.config.max_num_batched_tokens
+        plan = StepPlan(budget=min(limit, max_tokens or limit))
+        self._schedule_running(plan)
         now = self.clock()
-        admitting = self._prompts_may_start(now)
-        w = 0
-        while (
-            admitting
-            and not preempted
-            and w < len(self.waiting)
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            req = self.waiting[w]
-            if self._waits_for_prompt_pages(req) or req.num_output_placeholders:
-                # a sibling sample: admitted once the first one has its prompt in pages; a
-                # preempted request: once the token of the step in flight is back
-                w += 1
-                continue
-            first_time = req.status == RequestStatus.WAITING
-            token_ids = req.all_token_ids
-            root = self._cache_root(req)
-            if req.wants_prompt_logprobs:  # every prompt token must run to give its logprobs
-                computed_blocks, num_cached = [], 0
-            else:
-                computed_blocks, num_cached = self.block_manager.get_computed_blocks(token_ids, root)
-            n = self._chunk_size(req, num_cached, budget)
-            if not self.config.enable_chunked_prefill and num_cached + n < req.num_tokens:
-                break  # the whole prompt must fit; keep strict order rather than skip it
-            if req.lora_request is not None:
-                req.lora_slot = self.lora_slots.acquire(req.lora_request)
-                if req.lora_slot is None:  # every slot is pinned by other adapters: it waits
-                    req.lora_slot = -1
-                    w += 1
-                    continue
-            if not self.block_manager.allocate(req.request_id, num_cached + n, computed_blocks):
-                self._free_slot(req)
-                break
-            self.waiting.pop(w)
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_cached
-            if first_time:
-                req.num_cached_tokens = num_cached
-                req.scheduled_time = now
-                if self.block_manager.enable_prefix_caching:
-                    self.block_manager.stats.record(req.num_tokens, num_cached)
-            self.running.append(req)
-            scheduled.append(req)
-            num_new[req.request_id] = n
-            budget -= n
-            self._prompts_started_at = now
+        # Waiting requests start unless this step had to preempt: pages are short, and the
+        # preempted requests must not be readmitted ahead of the running ones.
+        if self._prompts_may_start(now) and not plan.preempted:
+            self._admit_waiting(plan, now)
+        return self._commit_step(plan)
 
+    def _schedule_running(self, plan: StepPlan) -> None:
+        """Running requests, in order: decodes and the next chunks of ongoing prefills."""
+        i = 0
+        while i < len(self.running) and plan.budget > 0:
+            req = self.running[i]
+            n = self._chunk_size(req, req.num_computed_tokens, plan.budget)
+            if n > 0:
+                num_running = len(self.running)
+                if not self._allocate_running(req, n, plan):
+                    return  # the request preempted itself: nothing below it can get pages either
+                plan.add(req, n)
+                if len(self.running) != num_running:
+                    i = self.running.index(req)  # a victim may have stood before req
+            i += 1
+
+    def _allocate_running(self, req: Request, n: int, plan: StepPlan) -> bool:
+        """Pages for the request's next n tokens, preempting from the tail of the running queue
+        until they fit; False when the request itself was preempted."""
+        while not self.block_manager.allocate(req.request_id, req.num_computed_tokens + n):
+            victim = self._pick_victim()
+            plan.preempted = True
+            plan.drop(victim)  # (under the priority policy it may be scheduled already)
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _admit_waiting(self, plan: StepPlan, now: float) -> None:
+        """Waiting requests, in queue order, while the budget, the row limit and pages last."""
+        w = 0
+        while w < len(self.waiting) and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            admission = self._admit(w, plan, now)
+            if admission is Admission.STOP:
+                return
+            if admission is Admission.SKIP:
+                w += 1
+
+    def _admit(self, w: int, plan: StepPlan, now: float) -> Admission:
+        """Start waiting request `w` with its first chunk (what the prefix cache holds of its
+        tokens counted as computed), let it wait for now, or stop admitting."""
+        req = self.waiting[w]
+        if self._waits_for_prompt_pages(req) or req.num_output_placeholders:
+            # a sibling sample: admitted once the first one has its prompt in pages; a
+            # preempted request: once the token of the step in flight is back
+            return Admission.SKIP
+        if req.wants_prompt_logprobs:  # every prompt token must run to give its logprobs
+            computed_blocks, num_cached = [], 0
+        else:
+            computed_blocks, num_cached = self.block_manager.get_computed_blocks(
+                req.all_token_ids, self._cache_root(req)
+            )
+        n = self._chunk_size(req, num_cached, plan.budget)
+        if not self.config.enable_chunked_prefill and num_cached + n < req.num_tokens:
+            return Admission.STOP  # the whole prompt must fit; keep strict order rather than skip it
+        if req.lora_request is not None:
+            req.lora_slot = self.lora_slots.acquire(req.lora_request)
+            if req.lora_slot is None:  # every slot is pinned by other adapters: it waits
+                req.lora_slot = -1
+                return Admission.SKIP
+        if not self.block_manager.allocate(req.request_id, num_cached + n, computed_blocks):
+            self._free_slot(req)
+            return Admission.STOP
+        self.waiting.pop(w)
+        if req.status == RequestStatus.WAITING:  # its first time, not a preempted one's return
+            req.num_cached_tokens = num_cached
+            req.scheduled_time = now
+            if self.block_manager.enable_prefix_caching:
+                self.block_manager.stats.record(req.num_tokens, num_cached)
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_cached
+        self.running.append(req)
+        plan.add(req, n)
+        self._prompts_started_at = now
+        return Admission.ADMITTED
+
+    def _commit_step(self, plan: StepPlan) -> SchedulerOutput:
+        """The step as the runner sees it: every planned row frozen, in the plan's order."""
         last_rows, self._sampled_rows = self._sampled_rows, {}
         sampled: list[Request] = []  # _commit adds the requests whose row samples, in row order
-        sched = SchedulerOutput(
-            seqs=tuple(
-                [
-                    self._commit(req, num_new[req.request_id], row, last_rows, sampled)
-                    for row, req in enumerate(scheduled)
-                ]
-            ),
-            lora_loads=self.lora_slots.take_loads() if self.lora_slots is not None else (),
+        seqs = tuple(
+            [
+                self._commit(r.request, r.num_tokens, i, last_rows, sampled)
+                for i, r in enumerate(plan.rows.values())
+            ]
         )
-        if scheduled:
-            self._unreported[id(sched)] = (sched, tuple(sampled))
+        lora_loads = self.lora_slots.take_loads() if self.lora_slots is not None else ()
+        sched = SchedulerOutput(seqs=seqs, lora_loads=lora_loads)
+        if seqs:
+            self._unreported[id(sched)] = InFlightStep(sched, tuple(sampled))
         return sched
 
     def _prompts_may_start(self, now: float) -> bool:
@@ -261,8 +270,8 @@ class Scheduler:
     def needs_tokens_before_next(self, sched: SchedulerOutput) -> bool:
         """Whether the next step can only be planned once this one's tokens are back: a row's
         grammar or bad words depend on the token it samples."""
-        entry = self._unreported.get(id(sched))
-        return entry is not None and any(r.grammar is not None or r.bad_words for r in entry[1])
+        step = self._unreported.get(id(sched))
+        return step is not None and any(r.grammar is not None or r.bad_words for r in step.sampled)
 
     def forget(self, sched: SchedulerOutput) -> None:
         """A step that never ran (its requests are failed): no update() will come for it."""
@@ -280,19 +289,10 @@ class Scheduler:
         return alive and first.num_computed_tokens < first.num_prompt_tokens - 1
 
     def _chunk_size(self, req: Request, num_computed: int, budget: int) -> int:
-        n = self._target_tokens(req) - num_computed
+        n = target_tokens(req) - num_computed
         if n > 1 and self._chunk_cap:
             n = min(n, self._chunk_cap)  # leave budget for other prefills in the same step
         return min(n, budget)
-
-    def _target_tokens(self, req: Request) -> int:
-        """The tokens whose KV the request needs before its next sample: all it has, and the one a
-        step in flight is sampling for it, unless that token will end it on length anyway."""
-        known = req.num_prompt_tokens + len(req.output_token_ids)
-        pending = req.num_output_placeholders
-        if pending and known + pending - req.num_prompt_tokens < req.output_limit:
-            return known + pending
-        return known
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -326,15 +326,8 @@ class Scheduler:
         """
         start = req.num_computed_tokens
         end = start + n
-        num_prompt = req.num_prompt_tokens
-        outputs = req.output_token_ids
-        known = num_prompt + len(outputs)
-        if end <= num_prompt:
-            token_ids = tuple(req.prompt_token_ids[start:end])
-        elif start >= num_prompt:  # a decode
-            token_ids = tuple(outputs[start - num_prompt : end - num_prompt])
-        else:  # avoid building prompt + output
-            token_ids = tuple(req.prompt_token_ids[start:]) + tuple(outputs[: end - num_prompt])
+        known = req.num_prompt_tokens + len(req.output_token_ids)
+        token_ids = fed_token_ids(req, start, end)
         feed_from_row = -1
         if end > known:  # the last token is the one the step in flight samples
             token_ids += (PLACEHOLDER_TOKEN,)
@@ -350,12 +343,9 @@ class Scheduler:
             slot_init = SlotInit(
                 req.slot, req.logits_spec, tuple(req.prompt_token_ids), tuple(req.output_token_ids)
             )
-        targets = None
-        if req.wants_prompt_logprobs and start < num_prompt - 1:
-            targets = tuple(req.prompt_token_ids[start + 1 : min(end, num_prompt - 1) + 1])
         sampling = None
         if end == known + req.num_output_placeholders:
-            sampling = _sampling_row(req)
+            sampling = sampling_row(req)
             req.num_output_placeholders += 1
             self._sampled_rows[req.request_id] = row
             sampled.append(req)
@@ -367,7 +357,7 @@ class Scheduler:
             bm.block_table(req.request_id),
             sampling,
             slot_init,
-            targets,
+            prompt_logprob_targets(req, start, end),
             feed_from_row,
             req.lora_slot,
         )
@@ -395,18 +385,18 @@ class Scheduler:
         since then keeps its token. Logprobs asked for are kept on the request as ranked rows."""
         now = time.monotonic()
         # the requests as they were scheduled: one aborted since then is not a new one of the same id
-        entry = self._unreported.pop(id(scheduler_output), None)
-        if entry is not None and len(entry[1]) == len(runner_output.req_ids):
-            sampled = entry[1]  # its sampled requests, in the order of the output's rows
+        step = self._unreported.pop(id(scheduler_output), None)
+        if step is not None and len(step.sampled) == len(runner_output.req_ids):
+            sampled = step.sampled  # its sampled requests, in the order of the output's rows
         else:  # (a runner output with fewer rows than the step sampled)
-            by_id = self.requests if entry is None else {r.request_id: r for r in entry[1]}
+            by_id = self.requests if step is None else {r.request_id: r for r in step.sampled}
             sampled = [by_id.get(req_id) for req_id in runner_output.req_ids]
         if runner_output.prompt_logprobs:  # only then are the rows' start positions needed
             starts = {s.request_id: s.start_pos for s in scheduler_output.seqs}
         for req_id, ranked in runner_output.prompt_logprobs.items():
             req = self.requests.get(req_id)
             if req is not None:
-                _extend_prompt_logprobs(req, starts[req_id], ranked)
+                extend_prompt_logprobs(req, starts[req_id], ranked)
         updated: list[Request] = []
         tokens = runner_output.sampled_token_ids.tolist()
         logprobs = runner_output.logprobs.tolist()
@@ -429,28 +419,11 @@ class Scheduler:
                 or req.grammar is not None
                 or len(req.output_token_ids) >= req.output_limit
             ):
-                status = self._check_stop(req, token)  # (no other token can end the request)
+                status = stop_status(req, token)  # (no other token can end the request)
                 if status is not None:
                     self._finish(req, status)
             updated.append(req)
         return updated
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        """vLLM v1's check_stop order: min_tokens gates eos, then stop_token_ids, then
-        length. Unlike vLLM, min_tokens never gates the length limit: a request must not
-        outgrow max_model_len even if its min_tokens asks for more."""
-        params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
-            if token == req.eos_token_id and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if req.grammar is not None and req.grammar.terminated:  # nothing more fits its grammar
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.output_limit:  # max_tokens, or max_model_len reached
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     # ---- finishing -----------------------------------------------------------------------
 
@@ -508,72 +481,3 @@ class Scheduler:
 
 def _priority_key(req: Request) -> tuple[int, float]:
     return (req.priority, req.arrival_time)
-
-
-def _sampling_row(req: Request) -> SamplingRow:
-    """The request's row, built again only when its slot, banned tokens or grammar's activity
-    changed since its last step."""
-    row = req.sampling_row
-    if (
-        row is not None
-        and row.slot == req.slot
-        and req.grammar is None
-        and not req.bad_words
-        and not req.sampling_params.min_tokens
-    ):
-        return row  # the common case: nothing is ever banned and nothing constrains it
-    banned = _banned_token_ids(req)
-    constrained = req.grammar is not None and req.grammar.active
-    if (
-        row is not None
-        and row.slot == req.slot
-        and row.banned_token_ids == banned
-        and row.constrained == constrained
-    ):
-        return row
-    p = req.sampling_params
-    row = req.sampling_row = SamplingRow(
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p,
-        min_p=p.min_p,
-        seed=req.seed,
-        output_start=req.num_prompt_tokens,
-        banned_token_ids=banned,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty,
-        slot=req.slot,
-        logprobs=p.logprobs,
-        constrained=constrained,
-    )
-    return row
-
-
-def _banned_token_ids(req: Request) -> tuple[int, ...]:
-    """Token ids masked for this step only: those that would end the request before
-    min_tokens, and the last token of every multi-token bad word whose other tokens the
-    output has just produced (vLLM looks at output tokens only)."""
-    p = req.sampling_params
-    num_output = req.num_output_tokens + req.num_output_placeholders
-    if not req.bad_words and num_output >= p.min_tokens:
-        return ()  # the common case, every step of most requests
-    banned = set()
-    if num_output < p.min_tokens:
-        banned.update(p.stop_token_ids)
-        if req.eos_token_id is not None and not p.ignore_eos:
-            banned.add(req.eos_token_id)
-    out = req.output_token_ids
-    for word in req.bad_words:  # (a request with bad words is never scheduled ahead of its tokens)
-        prefix = len(word) - 1
-        if prefix <= len(out) and tuple(out[len(out) - prefix :]) == word[:-1]:
-            banned.add(word[-1])
-    return tuple(sorted(banned))
-
-
-def _extend_prompt_logprobs(req: Request, start: int, ranked: TopLogprobs) -> None:
-    """Row j of `ranked` is for prompt position start + j + 1; positions already known
-    (a preempted request recomputes its prompt) are not added twice."""
-    for j in range(len(ranked.chosen_ranks)):
-        if start + j == len(req.prompt_logprobs):
-            req.prompt_logprobs.append(ranked.take(j))

@@ -15,19 +15,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.layers.sampler import SamplingArrays
-from jaxserve.scheduler_output import MAX_BANNED_TOKENS, SchedulerOutput
+from jaxserve.scheduler_output import FLOAT_COLUMNS, INT_COLUMNS, MAX_BANNED_TOKENS, SchedulerOutput
 
 _TOKEN_IDS, _START_POS, _BLOCK_IDS, _SAMPLING, _PROMPT_TARGETS, _FEED_FROM_ROW = (
     attrgetter(f)
     for f in ("token_ids", "start_pos", "block_ids", "sampling", "prompt_logprob_targets", "feed_from_row")
 )
-_FLOAT_PARAMS, _INT_PARAMS = attrgetter("float_params"), attrgetter("int_params")
+_FLOAT_PARAMS, _INT_PARAMS, _LORA_SLOT = map(attrgetter, ("float_params", "int_params", "lora_slot"))
 
 
 @jax.tree_util.register_dataclass
@@ -48,6 +49,28 @@ class BatchInputs:
     lora_slots: np.ndarray | None = None
 
 
+class _Ragged(NamedTuple):
+    """Where each row's tokens sit in the flat token axis."""
+
+    num_rows: int
+    q_lens: np.ndarray  # [num_rows] int32, tokens fed per row
+    cu: np.ndarray  # [seq bucket + 1] int32, row i's tokens are [cu[i], cu[i + 1]); padding rows empty
+    total: int  # tokens fed in all
+
+    @classmethod
+    def of(cls, token_lists: list, num_seqs: int) -> _Ragged:
+        n = len(token_lists)
+        q_lens = np.fromiter(map(len, token_lists), np.int32, n)
+        cu = np.zeros(num_seqs + 1, np.int32)
+        np.cumsum(q_lens, out=cu[1 : n + 1])
+        cu[n + 1 :] = cu[n]
+        return cls(n, q_lens, cu, int(cu[n]))
+
+    def last_tokens(self) -> np.ndarray:
+        """[num_rows] each row's last fed token (0 for a row fed none)."""
+        return np.maximum(self.cu[1 : self.num_rows + 1] - 1, 0)
+
+
 def prepare(
     sched: SchedulerOutput,
     num_tokens: int,  # token bucket
@@ -59,32 +82,72 @@ def prepare(
     kv_scales: np.ndarray | None = None,  # [num_layers, 2] float32, a quantized pool's (AttentionMetadata)
     with_lora: bool = False,  # the model has LoRA slots: each token's slot goes with the batch
 ) -> BatchInputs:
+    """The step's arrays: tokens and attention metadata, sampling rows, and the per-token extras.
+    Every row field is gathered by C-level iteration (no Python loop over the rows)."""
     seqs = sched.seqs
-    n = len(seqs)
-    if sched.num_tokens > num_tokens or n > num_seqs:
+    if sched.num_tokens > num_tokens or len(seqs) > num_seqs:
         raise ValueError(
-            f"step of {sched.num_tokens} tokens / {n} seqs exceeds bucket ({num_tokens}, {num_seqs})"
+            f"step of {sched.num_tokens} tokens / {len(seqs)} seqs exceeds bucket ({num_tokens}, {num_seqs})"
         )
-    # The rows' fields, each gathered by C-level iteration (no Python loop over the rows).
     token_lists = list(map(_TOKEN_IDS, seqs))
-    tables = list(map(_BLOCK_IDS, seqs))
-    q_lens = np.fromiter(map(len, token_lists), np.int32, n)
-    starts = np.fromiter(map(_START_POS, seqs), np.int32, n)
-    num_pages = np.fromiter(map(len, tables), np.int32, n)
-    feed_from = np.fromiter(map(_FEED_FROM_ROW, seqs), np.int32, n)
-    cu = np.zeros(num_seqs + 1, np.int32)
-    np.cumsum(q_lens, out=cu[1 : n + 1])
-    cu[n + 1 :] = cu[n]
-    total = int(cu[n])
+    ragged = _Ragged.of(token_lists, num_seqs)
+    input_ids, positions, meta = _tokens_and_pages(
+        seqs,
+        token_lists,
+        ragged,
+        num_tokens,
+        page_size,
+        pages_per_seq,
+        pad_slot,
+        attention_backend,
+        kv_scales,
+    )
+    logits_indices = np.zeros(num_seqs, np.int32)
+    logits_indices[: ragged.num_rows] = ragged.last_tokens()
+    lora_slots = None
+    if with_lora:
+        lora_slots = np.full(num_tokens, -1, np.int32)
+        lora_slots[: ragged.total] = np.repeat(
+            np.fromiter(map(_LORA_SLOT, seqs), np.int32, len(seqs)), ragged.q_lens
+        )
+    return BatchInputs(
+        input_ids=input_ids,
+        positions=positions,
+        meta=meta,
+        logits_indices=logits_indices,
+        sampling=_sampling_arrays(seqs, num_seqs, meta.kv_lens),
+        prompt_targets=_prompt_targets(seqs, ragged, num_tokens),
+        feed_rows=_feed_rows(seqs, ragged, num_tokens),
+        lora_slots=lora_slots,
+    )
 
+
+def _tokens_and_pages(
+    seqs,
+    token_lists: list,
+    ragged: _Ragged,
+    num_tokens: int,
+    page_size: int,
+    pages_per_seq: int,
+    pad_slot: int,
+    attention_backend: str,
+    kv_scales: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, AttentionMetadata]:
+    """input_ids and positions [token bucket], and the attention metadata: each token's KV slot,
+    each row's pages and KV length."""
+    n, total, cu = ragged.num_rows, ragged.total, ragged.cu
+    num_seqs = len(cu) - 1
     input_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     slot_mapping = np.full(num_tokens, pad_slot, np.int32)
     page_indices = np.zeros((num_seqs, pages_per_seq), np.int32)
     kv_lens = np.zeros(num_seqs, np.int32)
     if n:
+        tables = list(map(_BLOCK_IDS, seqs))
+        starts = np.fromiter(map(_START_POS, seqs), np.int32, n)
+        num_pages = np.fromiter(map(len, tables), np.int32, n)
         input_ids[:total] = np.fromiter(chain.from_iterable(token_lists), np.int32, total)
-        seq_of_token = np.repeat(np.arange(n), q_lens)
+        seq_of_token = np.repeat(np.arange(n), ragged.q_lens)
         pos = starts[seq_of_token] + (np.arange(total) - cu[seq_of_token])
         positions[:total] = pos
         seq_of_page = np.repeat(np.arange(n), num_pages)
@@ -92,75 +155,72 @@ def prepare(
         pages = np.fromiter(chain.from_iterable(tables), np.int32, len(seq_of_page))
         page_indices[seq_of_page, np.arange(len(seq_of_page)) - first_page[seq_of_page]] = pages
         slot_mapping[:total] = page_indices[seq_of_token, pos // page_size] * page_size + pos % page_size
-        kv_lens[:n] = starts + q_lens
+        kv_lens[:n] = starts + ragged.q_lens
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        kv_lens=kv_lens,
+        page_indices=page_indices,
+        cu_q_lens=cu,
+        num_seqs=np.array([n], np.int32),
+        backend=attention_backend,
+        kv_scales=kv_scales,
+    )
+    return input_ids, positions, meta
 
-    logits_indices = np.zeros(num_seqs, np.int32)
-    logits_indices[:n] = np.maximum(cu[1 : n + 1] - 1, 0)
 
-    # Sampling parameters: neutral (greedy, no filter, no penalty) on rows that sample nothing.
-    floats = np.zeros((num_seqs, 6), np.float32)  # temperature, top_p, min_p, presence, frequency, repetition
-    floats[:, 1] = floats[:, 5] = 1.0
-    ints = np.zeros((num_seqs, 4), np.int64)  # top_k, seed, step, slot
-    ints[:, 3] = -1
+_STEP_COLUMN = list(INT_COLUMNS).index("steps")
+
+
+def _sampling_arrays(seqs, num_seqs: int, kv_lens: np.ndarray) -> SamplingArrays:
+    """The sampling rows as columns (FLOAT_COLUMNS, INT_COLUMNS); neutral on rows that sample
+    nothing and on padding rows."""
+    floats = np.tile(np.fromiter(FLOAT_COLUMNS.values(), np.float32), (num_seqs, 1))
+    ints = np.tile(np.array([v for v, _ in INT_COLUMNS.values()], np.int64), (num_seqs, 1))
     banned = np.full((num_seqs, MAX_BANNED_TOKENS), -1, np.int32)
     samplings = list(map(_SAMPLING, seqs))
     sampled = [i for i, r in enumerate(samplings) if r is not None]
     if sampled:
-        rows = samplings if len(sampled) == n else [samplings[i] for i in sampled]
-        k = len(rows)
+        n, k = len(seqs), len(sampled)
+        rows = samplings if k == n else [samplings[i] for i in sampled]
         at = slice(0, n) if k == n else sampled
-        floats[at] = np.fromiter(chain.from_iterable(map(_FLOAT_PARAMS, rows)), np.float32, 6 * k).reshape(
-            k, 6
+        width_f, width_i = floats.shape[1], ints.shape[1]
+        floats[at] = np.fromiter(
+            chain.from_iterable(map(_FLOAT_PARAMS, rows)), np.float32, width_f * k
+        ).reshape(k, width_f)
+        ints[at] = np.fromiter(chain.from_iterable(map(_INT_PARAMS, rows)), np.int64, width_i * k).reshape(
+            k, width_i
         )
-        ints[at] = np.fromiter(chain.from_iterable(map(_INT_PARAMS, rows)), np.int64, 4 * k).reshape(k, 4)
-        ints[at, 2] += kv_lens[at]  # the sampled token's position less the prompt's length
+        ints[at, _STEP_COLUMN] += kv_lens[at]  # the sampled token's position less the prompt's length
         for i, r in zip(sampled, rows):
             if r.banned_token_ids:
                 banned[i, : len(r.banned_token_ids)] = r.banned_token_ids
-    prompt_targets = np.full(num_tokens, -1, np.int32)
+    columns = {name: floats[:, j].copy() for j, name in enumerate(FLOAT_COLUMNS)}
+    columns.update(
+        {name: ints[:, j].astype(dtype) for j, (name, (_, dtype)) in enumerate(INT_COLUMNS.items())}
+    )
+    return SamplingArrays(banned=banned, **columns)
+
+
+def _prompt_targets(seqs, ragged: _Ragged, num_tokens: int) -> np.ndarray:
+    """[token bucket] int32: at each fed prompt token whose logprob-successor is wanted, that
+    successor's id; -1 elsewhere."""
+    out = np.full(num_tokens, -1, np.int32)
     all_targets = list(map(_PROMPT_TARGETS, seqs))
     if any(all_targets):
         for i, targets in enumerate(all_targets):
             if targets:
-                prompt_targets[cu[i] : cu[i] + len(targets)] = targets
-    feed_rows = np.full(num_tokens, -1, np.int32)
-    fed = feed_from >= 0
-    feed_rows[cu[1 : n + 1][fed] - 1] = feed_from[fed]  # each such row's last token
+                out[ragged.cu[i] : ragged.cu[i] + len(targets)] = targets
+    return out
 
-    lora_slots = None
-    if with_lora:
-        lora_slots = np.full(num_tokens, -1, np.int32)
-        lora_slots[:total] = np.repeat(np.fromiter((s.lora_slot for s in seqs), np.int32, n), q_lens)
-    return BatchInputs(
-        input_ids=input_ids,
-        positions=positions,
-        meta=AttentionMetadata(
-            slot_mapping=slot_mapping,
-            kv_lens=kv_lens,
-            page_indices=page_indices,
-            cu_q_lens=cu,
-            num_seqs=np.array([n], np.int32),
-            backend=attention_backend,
-            kv_scales=kv_scales,
-        ),
-        logits_indices=logits_indices,
-        sampling=SamplingArrays(
-            temperature=floats[:, 0].copy(),
-            top_k=ints[:, 0].astype(np.int32),
-            top_p=floats[:, 1].copy(),
-            min_p=floats[:, 2].copy(),
-            seeds=ints[:, 1].astype(np.uint32),
-            steps=ints[:, 2].astype(np.int32),
-            banned=banned,
-            presence=floats[:, 3].copy(),
-            frequency=floats[:, 4].copy(),
-            repetition=floats[:, 5].copy(),
-            slot=ints[:, 3].astype(np.int32),
-        ),
-        prompt_targets=prompt_targets,
-        feed_rows=feed_rows,
-        lora_slots=lora_slots,
-    )
+
+def _feed_rows(seqs, ragged: _Ragged, num_tokens: int) -> np.ndarray:
+    """[token bucket] int32: at a row's last token when the host does not have it yet, the row
+    of the previous step's sampled tokens it comes from; -1 elsewhere."""
+    out = np.full(num_tokens, -1, np.int32)
+    feed_from = np.fromiter(map(_FEED_FROM_ROW, seqs), np.int32, len(seqs))
+    fed = feed_from >= 0
+    out[ragged.cu[1 : ragged.num_rows + 1][fed] - 1] = feed_from[fed]
+    return out
 
 
 @jax.tree_util.register_pytree_node_class
