@@ -116,15 +116,15 @@ def no_default_executable_store():
     had written there crashed inside XLA's deserializer, and a store shared between runs would
     hide compile-time regressions. A test that names a cache_dir still gets one
     (tests/runner/test_executable_cache.py)."""
-    from jaxserve.runner import model_runner
+    from jaxserve.runner import executable_cache
 
-    original = model_runner.enable_compilation_cache
+    original = executable_cache.enable_compilation_cache
 
     def only_when_named(cache_dir, mesh):
         return None if cache_dir is None else original(cache_dir, mesh)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model_runner, "enable_compilation_cache", only_when_named)
+        patch.setattr(executable_cache, "enable_compilation_cache", only_when_named)
         yield
 
 

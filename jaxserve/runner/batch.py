@@ -169,13 +169,18 @@ def _tokens_and_pages(
 
 
 _STEP_COLUMN = list(INT_COLUMNS).index("steps")
+_NEUTRAL_FLOATS = np.array(list(FLOAT_COLUMNS.values()), np.float32)
+_NEUTRAL_INTS = np.array([neutral for neutral, _ in INT_COLUMNS.values()], np.int64)
+_INT_DTYPES = tuple((name, dtype) for name, (_, dtype) in INT_COLUMNS.items())
 
 
 def _sampling_arrays(seqs, num_seqs: int, kv_lens: np.ndarray) -> SamplingArrays:
     """The sampling rows as columns (FLOAT_COLUMNS, INT_COLUMNS); neutral on rows that sample
     nothing and on padding rows."""
-    floats = np.tile(np.fromiter(FLOAT_COLUMNS.values(), np.float32), (num_seqs, 1))
-    ints = np.tile(np.array([v for v, _ in INT_COLUMNS.values()], np.int64), (num_seqs, 1))
+    floats = np.empty((num_seqs, len(_NEUTRAL_FLOATS)), np.float32)
+    floats[:] = _NEUTRAL_FLOATS
+    ints = np.empty((num_seqs, len(_NEUTRAL_INTS)), np.int64)
+    ints[:] = _NEUTRAL_INTS
     banned = np.full((num_seqs, MAX_BANNED_TOKENS), -1, np.int32)
     samplings = list(map(_SAMPLING, seqs))
     sampled = [i for i, r in enumerate(samplings) if r is not None]
@@ -194,10 +199,9 @@ def _sampling_arrays(seqs, num_seqs: int, kv_lens: np.ndarray) -> SamplingArrays
         for i, r in zip(sampled, rows):
             if r.banned_token_ids:
                 banned[i, : len(r.banned_token_ids)] = r.banned_token_ids
-    columns = {name: floats[:, j].copy() for j, name in enumerate(FLOAT_COLUMNS)}
-    columns.update(
-        {name: ints[:, j].astype(dtype) for j, (name, (_, dtype)) in enumerate(INT_COLUMNS.items())}
-    )
+    columns = {name: column.copy() for name, column in zip(FLOAT_COLUMNS, floats.T)}
+    for (name, dtype), column in zip(_INT_DTYPES, ints.T):
+        columns[name] = column.astype(dtype)
     return SamplingArrays(banned=banned, **columns)
 
 

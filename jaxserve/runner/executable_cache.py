@@ -31,6 +31,8 @@ from importlib import metadata
 import jax
 from jax.experimental import serialize_executable
 
+from jaxserve.config import jaxserve_cache_dir
+
 logger = logging.getLogger(__name__)
 
 _PACKAGES = ("jaxserve", "pallas_kernels")
@@ -103,3 +105,20 @@ class ExecutableCache:
             os.replace(fh.name, self._path(key))  # readers see a whole entry or none
         except OSError as err:  # a read-only or full cache only costs time
             logger.warning("Could not store a compiled step in %s: %s", self.directory, err)
+
+
+def enable_compilation_cache(cache_dir: str | None, mesh: jax.sharding.Mesh) -> ExecutableCache | None:
+    """What makes a second start-up fast. On a single-process CPU mesh, the runner's own store
+    of whole executables (runner/executable_cache.py: neither compiled nor traced again) instead
+    of JAX's persistent cache, whose entries XLA:CPU cannot serialize again; elsewhere JAX's
+    persistent compilation cache (compiled again from disk, traced and lowered every start)."""
+    if cache_dir == "":
+        return None
+    cache_dir = cache_dir or jaxserve_cache_dir("xla")
+    single_cpu = jax.process_count() == 1 and mesh.devices.flat[0].platform == "cpu"
+    if single_cpu and jax.config.jax_compilation_cache_dir is None:
+        return ExecutableCache(os.path.join(cache_dir, "jaxserve-steps"))
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return None

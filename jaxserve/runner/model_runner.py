@@ -13,15 +13,11 @@ the runner's own unless one is handed in to share with other runners.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import concurrent.futures
 import dataclasses
 import logging
-import os
-import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import NamedTuple
@@ -31,17 +27,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
-from tqdm.auto import tqdm
 
-from jaxserve.config import EngineConfig, jaxserve_cache_dir
-from jaxserve.layers.linear import KV_PROJECTIONS, LORA_SUFFIXES, lora_a_members, lora_group, tile_q4_stacks
-from jaxserve.loader.model_loader import build_model_args, load_model, repeat_kv_heads
-from jaxserve.lora.adapter import AdapterSpec, LoRAAdapter
+from jaxserve.config import EngineConfig
+from jaxserve.layers.linear import tile_q4_stacks
+from jaxserve.loader.model_loader import build_model_args, load_model
+from jaxserve.lora.adapter import LoRAAdapter
 from jaxserve.runner import batch as batch_lib
-from jaxserve.runner import kv_scales
+from jaxserve.runner import executable_cache, kv_scales
 from jaxserve.runner import sleep as sleep_mode
-from jaxserve.runner.executable_cache import ExecutableCache
+from jaxserve.runner.bucket_compiles import BucketCompiles
 from jaxserve.runner.kv_cache import allocate_kv_pool
+from jaxserve.runner.lora_writer import LoRAWriter
 from jaxserve.runner.processor_slots import ProcessorSlots
 from jaxserve.runner.step import StepResult, StepVariant, forward
 from jaxserve.runner.step_cache import StepCache
@@ -51,35 +47,6 @@ from jaxserve.sharding import make_mesh
 from pallas_kernels import native
 
 logger = logging.getLogger(__name__)
-
-
-def enable_compilation_cache(cache_dir: str | None, mesh: jax.sharding.Mesh) -> ExecutableCache | None:
-    """What makes a second start-up fast. On a single-process CPU mesh, the runner's own store
-    of whole executables (runner/executable_cache.py: neither compiled nor traced again) instead
-    of JAX's persistent cache, whose entries XLA:CPU cannot serialize again; elsewhere JAX's
-    persistent compilation cache (compiled again from disk, traced and lowered every start)."""
-    if cache_dir == "":
-        return None
-    cache_dir = cache_dir or jaxserve_cache_dir("xla")
-    single_cpu = jax.process_count() == 1 and mesh.devices.flat[0].platform == "cpu"
-    if single_cpu and jax.config.jax_compilation_cache_dir is None:
-        return ExecutableCache(os.path.join(cache_dir, "jaxserve-steps"))
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return None
-
-
-# Runners whose start-up compile thread may still run. At exit each finishes the bucket it is on
-# and stops: a daemon thread killed inside XLA's compiler aborts the process, and waiting for every
-# remaining bucket would hold an exit (after a failed bind, say) for most of a minute.
-_COMPILING: weakref.WeakSet = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_compiling_at_exit() -> None:
-    for runner in list(_COMPILING):
-        runner.stop_compiling()
 
 
 def bytes_per_device(tree) -> dict:
@@ -103,44 +70,17 @@ class ModelRunner:
         this runner's own."""
         self.config = config
         self.step_cache = step_cache if step_cache is not None else StepCache()
-        sc = config.scheduler_config
         self.mesh = mesh or make_mesh(config.parallel_config.tensor_parallel_size)
         # The native CPU kernels (pallas_kernels/native.py), registered before any step is traced
         # or loaded from the executable store; a step traced without them runs the references.
         self.native_kernels = self.mesh.devices.flat[0].platform == "cpu" and native.load()
-        self.executables = enable_compilation_cache(config.compilation_config.cache_dir, self.mesh)
+        self.executables = executable_cache.enable_compilation_cache(
+            config.compilation_config.cache_dir, self.mesh
+        )
         entry, self.args = build_model_args(config.model_config, config.parallel_config, config.lora_config)
         self._model_name = f"{entry.model_cls.__module__}.{entry.model_cls.__qualname__}"
-        start = time.perf_counter()
-        self.graphdef, self.state = self._load()
-        self._lora_keys = sorted(k for k, _ in self.state.flat_state() if str(k[-1]).endswith(LORA_SUFFIXES))
-        self._write_lora = None  # the program that writes an adapter into a slot (see set_lora_slot)
-        lora = config.lora_config
-        self.adapter_spec = None if lora is None else self._adapter_spec(entry, lora)
-        logger.info(
-            "Loaded weights in %.2f s: %.1f MiB in all, %.1f MiB on the fullest of %d devices",
-            time.perf_counter() - start,
-            sum(x.nbytes for x in jax.tree.leaves(self.state)) / 2**20,
-            max(bytes_per_device(self.state).values()) / 2**20,
-            self.mesh.size,
-        )
-
-        self.layout = StepLayout.plan(config, self.args, self.mesh, bool(self._lora_keys))
-        self.attention_backend = self.layout.attention_backend
-        self.kv_spec, self.num_blocks = self.layout.kv_spec, self.layout.num_blocks
-        self.page_size, self.pages_per_seq = self.kv_spec.page_size, self.layout.pages_per_seq
-        self.pad_slot = self.layout.pad_slot
-        self.buckets, self.num_slots = self.layout.buckets, self.layout.num_slots
-        self.num_top_logprobs = self.layout.num_top_logprobs
-        # A quantized pool's per-layer key and value scales (runner/kv_scales.py), sent with each step.
-        self.kv_scales = self.layout.kv_scales
-        kv_tokens = (self.num_blocks - 1) * self.page_size  # block 0 is never handed out
-        logger.info(
-            "KV cache size: %s tokens; maximum concurrency for %s tokens per request: %.2fx",
-            f"{kv_tokens:,}",
-            f"{sc.max_model_len:,}",
-            kv_tokens / sc.max_model_len,
-        )
+        self._load_weights(entry)
+        self._plan_layout()
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self.processor_slots = ProcessorSlots(self.num_slots, self.args.vocab_size, self._replicated)
         # The last dispatched step's sampled tokens, padded to the largest sequence bucket: what a
@@ -158,12 +98,7 @@ class ModelRunner:
             executables=self.executables,
             stored_as=(self._model_name, repr(self.args), ("native kernels", self.native_kernels)),
         )
-        # The buckets a step may use: all of them when compiled on demand (enforce_eager), else
-        # the ones compiled so far (precompile widens it as the background compiles finish).
-        self.ready_buckets = self.buckets
-        self._compiler: threading.Thread | None = None
-        self._compile_error: BaseException | None = None
-        self._stop_compiling = threading.Event()
+        self.compiles = BucketCompiles(self.buckets, self._compile)
         # Several processes (jax.distributed): process 0 publishes every call the others must
         # replay (jaxserve/distributed.py); they run the same programs on their own devices.
         self.channel = None
@@ -180,6 +115,47 @@ class ModelRunner:
                 self.precompile()
             self.kv_pool = allocating.result()
 
+    def _load_weights(self, entry) -> None:
+        """The weights on the mesh (graphdef, state), the LoRA slots' writer and what adapters
+        the slots take."""
+        start = time.perf_counter()
+        self.graphdef, self.state = self._load()
+        self.lora = LoRAWriter(self.state, self.args, self.mesh)
+        lora = self.config.lora_config
+        self.adapter_spec = (
+            None
+            if lora is None
+            else self.lora.adapter_spec(self.state, entry.model_cls, entry.split_tensors, lora)
+        )
+        logger.info(
+            "Loaded weights in %.2f s: %.1f MiB in all, %.1f MiB on the fullest of %d devices",
+            time.perf_counter() - start,
+            sum(x.nbytes for x in jax.tree.leaves(self.state)) / 2**20,
+            max(bytes_per_device(self.state).values()) / 2**20,
+            self.mesh.size,
+        )
+
+    def _plan_layout(self) -> None:
+        """The step layout (runner/step_programs.py StepLayout) and the names this runner
+        reads it by: KV pool, pages, buckets, slots."""
+        max_model_len = self.config.scheduler_config.max_model_len
+        self.layout = StepLayout.plan(self.config, self.args, self.mesh, bool(self.lora.keys))
+        self.attention_backend = self.layout.attention_backend
+        self.kv_spec, self.num_blocks = self.layout.kv_spec, self.layout.num_blocks
+        self.page_size, self.pages_per_seq = self.kv_spec.page_size, self.layout.pages_per_seq
+        self.pad_slot = self.layout.pad_slot
+        self.buckets, self.num_slots = self.layout.buckets, self.layout.num_slots
+        self.num_top_logprobs = self.layout.num_top_logprobs
+        # A quantized pool's per-layer key and value scales (runner/kv_scales.py), sent with each step.
+        self.kv_scales = self.layout.kv_scales
+        kv_tokens = (self.num_blocks - 1) * self.page_size  # block 0 is never handed out
+        logger.info(
+            "KV cache size: %s tokens; maximum concurrency for %s tokens per request: %.2fx",
+            f"{kv_tokens:,}",
+            f"{max_model_len:,}",
+            kv_tokens / max_model_len,
+        )
+
     def _prepare(self, sched: SchedulerOutput, bucket: tuple[int, int]) -> batch_lib.BatchInputs:
         """The step's host arrays in this runner's layout, with the pool's current KV scales."""
         return self.layout.prepare(sched, bucket, self.kv_scales)
@@ -188,63 +164,24 @@ class ModelRunner:
         return self.steps.compile(bucket, variant)
 
     def precompile(self) -> None:
-        """Compile the buckets a first request needs now and the rest in a background thread
-        (bucketing.Buckets.startup_order); ready_buckets grows as they finish. Several processes
-        must run the same programs step by step, so they compile everything first."""
-        start = time.perf_counter()
-        if self._lora_keys:  # the program that writes adapters into slots (slot 0 is empty still)
+        """Compile the buckets a first request needs now and the rest in the background
+        (runner/bucket_compiles.py)."""
+        if self.lora.keys:  # the program that writes adapters into slots (slot 0 is empty still)
             self.set_lora_slot(0, None)
-        first, rest = self.buckets.startup_order()
-        if jax.process_count() > 1:
-            first, rest = first + rest, []
-        buckets = [b for t in first for b in self.buckets.of_tokens(t)]
-        for bucket in tqdm(buckets, desc="Compiling step buckets", disable=None):
-            self._compile(bucket)
-        self.ready_buckets = self.buckets.subset(first)
-        logger.info(
-            "Compiled %d step buckets in %.1f s; %d more compile in the background",
-            len(buckets), time.perf_counter() - start, len(self.buckets.all()) - len(buckets),
-        )  # fmt: skip
-        if rest:
-            self._compiler = threading.Thread(
-                target=self._compile_rest, args=(first, rest, start), name="jaxserve-compile", daemon=True
-            )
-            _COMPILING.add(self)
-            self._compiler.start()
-
-    def _compile_rest(self, ready: list[int], rest: list[int], start: float) -> None:
-        try:
-            for token_bucket in rest:
-                if self._stop_compiling.is_set():
-                    return
-                for bucket in self.buckets.of_tokens(token_bucket):
-                    self._compile(bucket)
-                ready = [*ready, token_bucket]
-                self.ready_buckets = self.buckets.subset(ready)  # one assignment: the engine sees all or none
-            logger.info(
-                "All %d step buckets compiled, %.1f s after start-up began",
-                len(self.buckets.all()), time.perf_counter() - start,
-            )  # fmt: skip
-        except BaseException as err:  # the engine goes on with the buckets it has
-            if self._stop_compiling.is_set():
-                return  # shutting down: JAX may already be tearing down what a lowering uses
-            self._compile_error = err
-            logger.exception("Compiling the remaining step buckets failed; serving with %s", ready)
+        self.compiles.start()
 
     def stop_compiling(self) -> None:
         """Let the background compile finish the bucket it is on and stop (server shutdown)."""
-        self._stop_compiling.set()
-        if self._compiler is not None:
-            self._compiler.join()
+        self.compiles.stop()
 
     def wait_compiled(self) -> None:
         """Block until every bucket is compiled (the offline LLM wants them all before it runs)."""
-        if self._compiler is not None:
-            self._compiler.join()
-        if self._compile_error is not None:
-            raise RuntimeError(
-                f"compiling the step buckets failed: {self._compile_error}"
-            ) from self._compile_error
+        self.compiles.wait()
+
+    @property
+    def ready_buckets(self):
+        """The buckets a step may use without compiling (all of them under enforce_eager)."""
+        return self.compiles.ready
 
     @property
     def ready_token_budget(self) -> int:
@@ -283,7 +220,7 @@ class ModelRunner:
         freed = 0
         if self._off_device is None:
             freed += sum(bytes_per_device(self.state).values())
-            self._off_device = sleep_mode.OffDevice(self.state, level, self._lora_keys)
+            self._off_device = sleep_mode.OffDevice(self.state, level, self.lora.keys)
         else:
             self._off_device.deepen(level)
         if not self.kv_pool.is_deleted():
@@ -344,65 +281,13 @@ class ModelRunner:
             state = tile_q4_stacks(state)
         return graphdef, state
 
-    def _adapter_spec(self, entry, lora) -> AdapterSpec:
-        """What adapters this model's LoRA slots take (lora/adapter.py): the projections with
-        slots and their (in, out) as the checkpoint has them."""
-        flat = dict(self.state.flat_state())
-        copies = getattr(self.args, "kv_head_copies", 1)
-        shapes = {}
-        for key in self._lora_keys:
-            proj, part = str(key[-1]).rsplit("_lora_", 1)
-            if part == "b":
-                d_in = flat[
-                    (*key[:-1], f"{''.join(lora_group(proj.removesuffix('_proj')))}_proj_lora_a")
-                ].value.shape[2]
-                d_out = flat[key].value.shape[-1]
-                shapes[proj] = (d_in, d_out // copies if proj in KV_PROJECTIONS else d_out)
-        weight_map = entry.model_cls.hf_weight_map(self.args)
-        return AdapterSpec(
-            self.args.num_layers,
-            shapes,
-            weight_map,
-            entry.split_tensors,
-            self.args,
-            lora.max_lora_rank,
-            lora.bias,
-        )
-
     def set_lora_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """Write an adapter (None: zeros, the base model) into LoRA slot `slot` of every adapted
         projection: one compiled program for any slot and adapter (ranks are padded to the
         slots' rank with zeros), so loading and swapping adapters never compiles."""
         if self.channel is not None:
             self.channel.publish("set_lora_slot", slot, adapter)
-        flat = dict(self.state.flat_state())
-        arrays = {k: flat[k].value for k in self._lora_keys}
-        values = {}
-        copies = getattr(self.args, "kv_head_copies", 1)
-        weights = adapter.weights if adapter is not None else {}
-        for key, array in arrays.items():
-            stem, part = str(key[-1]).rsplit("_lora_", 1)
-            value = np.zeros((array.shape[0], *array.shape[2:]), np.float32)  # ranks padded with zeros
-            if part == "a":  # [layers, in, projections, rank]: the A of each projection of the group
-                for p, name in enumerate(lora_a_members(stem.removesuffix("_proj"))):
-                    if f"{name}_proj" in weights:
-                        a = weights[f"{name}_proj"][0]
-                        value[:, :, p, : a.shape[2]] = a
-            elif stem in weights and (w := weights[stem][1 if part == "b" else 2]) is not None:
-                if stem in KV_PROJECTIONS and copies > 1:  # as the kernels' heads
-                    w = repeat_kv_heads(w, w.ndim - 1, copies, self.args.head_dim)
-                value[tuple(slice(0, n) for n in w.shape)] = w
-            values[key] = value
-        if self._write_lora is None:
-            self._write_lora = jax.jit(
-                lambda arrays, slot, values: {k: a.at[:, slot].set(values[k]) for k, a in arrays.items()},
-                donate_argnums=0,
-                out_shardings={k: a.sharding for k, a in arrays.items()},
-            )
-        with jax.set_mesh(self.mesh):
-            written = self._write_lora(arrays, np.int32(slot), values)
-        for key in self._lora_keys:
-            flat[key].value = written[key]
+        self.lora.write(self.state, slot, adapter)
 
     @property
     def num_compiled(self) -> int:

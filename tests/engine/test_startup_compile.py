@@ -13,7 +13,7 @@ from tiny_models import engine_kwargs
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.runner import model_runner
+from jaxserve.runner import bucket_compiles
 from jaxserve.runner.bucketing import FIRST_PREFILL_TOKENS
 
 BUDGET = 256  # token buckets 1, 2, 4, ..., 256 on CPU
@@ -30,14 +30,14 @@ def pause_background(monkeypatch):
     """pause_background() -> an Event: runners made after the call start their background
     compile only once it is set."""
     release = threading.Event()
-    original = model_runner.ModelRunner._compile_rest
+    original = bucket_compiles.BucketCompiles.compile_rest
 
     def compile_rest(self, *args):
         release.wait(timeout=300)
         original(self, *args)
 
     def pause() -> threading.Event:
-        monkeypatch.setattr(model_runner.ModelRunner, "_compile_rest", compile_rest)
+        monkeypatch.setattr(bucket_compiles.BucketCompiles, "compile_rest", compile_rest)
         return release
 
     return pause
@@ -97,7 +97,7 @@ def test_stopping_the_background_compile_leaves_the_ready_buckets(tiny_llama_gqa
 
     release = pause_background()
     engine = LLMEngine(EngineArgs(model=tiny_llama_gqa[0], **kwargs).create_engine_config())
-    engine.runner._stop_compiling.set()  # before the thread starts its first bucket
+    engine.runner.compiles.stop(wait=False)  # before the thread starts its first bucket
     release.set()
     engine.runner.stop_compiling()
     assert engine.runner.ready_token_budget == FIRST_PREFILL_TOKENS
