@@ -26,15 +26,8 @@ import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from jaxserve.beam_search import (
-    BeamSearch,
-    BeamSearchOutput,
-    BeamSearchParams,
-    finish,
-    start_search,
-    step_params,
-    step_prompt,
-)
+from jaxserve import beam_search as beams
+from jaxserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from jaxserve.config import EngineConfig
 from jaxserve.engine.input_processor import PromptType
 from jaxserve.engine.llm_engine import EngineDeadError, LLMEngine
@@ -100,7 +93,7 @@ class AsyncLLMEngine:
         self.replicas = [_Replica(i, e) for i, e in enumerate(engines)]
         self.engine = engines[0]  # config, tokenizer, request checks: the same in every replica
         for e in engines[1:]:  # one grammar cache: a schema checked by the server compiles once
-            e.input_processor.grammars = e.grammars = self.engine.grammars
+            e.share_grammars(self.engine)
         self.stats_callbacks = list(stats_callbacks)
         self._streams: dict[str, _RequestStream] = {}
         self._routes: dict[str, int] = {}  # request id -> its replica
@@ -108,7 +101,7 @@ class AsyncLLMEngine:
         self.router = Router(
             len(engines),
             self.engine.config.cache_config.block_size,
-            capacity_blocks=self.engine.runner.num_blocks,
+            capacity_blocks=self.engine.num_kv_blocks,
             slack=max(1, sched.max_num_seqs // 4),
         )
         self._stopping = False
@@ -150,7 +143,7 @@ class AsyncLLMEngine:
     def shutdown(self) -> None:
         """Stop the threads after their current steps; requests still running are aborted."""
         for r in self.replicas:  # start-up compiles still under way end after their current bucket
-            r.engine.runner.stop_compiling()
+            r.engine.stop_compiling()
         if self.replicas[0].thread is None:
             return
         self._stopping = True
@@ -194,9 +187,7 @@ class AsyncLLMEngine:
     def check_lora(self, lora_request) -> None:
         """Read a LoRA adapter as a request naming it would (ValueError, one line, if it cannot
         be served; LookupError if LoRA is not enabled)."""
-        if self.engine.adapters is None:
-            raise LookupError("LoRA is not enabled on this server (--enable-lora).")
-        self.engine.adapters.get(lora_request)
+        self.engine.check_lora(lora_request)
 
     # ---- sleep mode (LLMEngine.sleep) ---------------------------------------------------------
 
@@ -224,16 +215,11 @@ class AsyncLLMEngine:
     def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """Compile a request's grammar (cached for when the request is made); ValueError naming
         what is wrong with it. Blocking: a server calls it off its event loop."""
-        self.engine.grammars.compile(params)
+        self.engine.check_structured_outputs(params)
 
     def close_workers(self) -> None:
         """Tell the other processes of a multi-process engine, if any, to stop with this one."""
-        channel = self.engine.runner.channel
-        if channel is not None:
-            from jaxserve import distributed
-
-            distributed.closing()
-            channel.publish("stop")
+        self.engine.close_workers()
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -251,7 +237,7 @@ class AsyncLLMEngine:
             raise EngineRequestError(f"The engine is not running: {self.dead_error}")
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        if trace_headers and self.engine.tracer is None and not self._warned_trace_headers:
+        if trace_headers and not self.engine.tracing and not self._warned_trace_headers:
             self._warned_trace_headers = True
             logger.warning("Requests carry trace context, but tracing is off (--otlp-traces-endpoint).")
         return self.engine.make_request(
@@ -299,7 +285,7 @@ class AsyncLLMEngine:
         """Check and tokenize a beam search without running it; ValueError on bad input."""
         if self.dead_error is not None:
             raise EngineRequestError(f"The engine is not running: {self.dead_error}")
-        return start_search(self.engine, self.engine.tokenize_prompt(prompt)[1], params)
+        return beams.start_search(self.engine, self.engine.tokenize_prompt(prompt)[1], params)
 
     async def beam_search(self, search: BeamSearch, request_id: str, lora_request=None) -> BeamSearchOutput:
         """Run a search from start_beam_search (with the LoRA adapter, if any): each round, one
@@ -310,21 +296,21 @@ class AsyncLLMEngine:
             outputs = [output async for output in stream]
             return outputs[-1]
 
-        step = step_params(search.params)
+        step = beams.step_params(search.params)
         for round_ in itertools.count():
             if search.done:
                 break
             rounds = [
                 last(
                     self.generate(
-                        step_prompt(search, beam), step, f"{request_id}-{round_}-{i}", 0, lora_request
+                        beams.step_prompt(search, beam), step, f"{request_id}-{round_}-{i}", 0, lora_request
                     )
                 )
                 for i, beam in enumerate(search.running)
             ]
             outputs = await asyncio.gather(*rounds)
             search.advance([out.outputs[0].logprobs[0] for out in outputs])
-        return finish(search, self.engine.tokenizer)
+        return beams.finish(search, self.engine.tokenizer)
 
     def abort(self, request_id: str) -> None:
         replica = self._routes.get(request_id)

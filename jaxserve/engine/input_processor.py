@@ -82,8 +82,48 @@ class InputProcessor:
         if priority != 0 and self.config.scheduler_config.policy != "priority":
             raise ValueError("priority is only honoured with scheduling_policy='priority'.")
         text, token_ids = self.tokenize_prompt(prompt)
+        self._check_prompt_length(token_ids)
+        self._check_logprobs(params)
+        # compiled here, before anything is queued: a bad schema fails the request, never a step
+        grammar = (
+            self.grammars.compile(params.structured_outputs)
+            if params.structured_outputs is not None
+            else None
+        )
+        spec, bad_words = self._logits_spec(params)
+        self._check_masked(params, bad_words)
+        room = self.config.model_config.max_model_len - len(token_ids)
+        best_of = params.best_of or params.n
+        parent = ParentRequest(
+            request_id,
+            text,
+            token_ids,
+            [],
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            n=params.n,
+            best_of=best_of,
+        )
         # a beam search step: the prompt's tokens from here on are output its grammar accepted
         start = prompt.get("structured_output_start") if isinstance(prompt, Mapping) else None
+        for i in range(best_of):
+            child = self._child(parent, i, params, priority, room)
+            child.logits_spec, child.bad_words = spec, bad_words
+            if grammar is not None:
+                matcher = grammar if i == 0 else grammar.deep_copy()
+                prompt_ids, accepted = (
+                    (token_ids, ()) if start is None else (token_ids[:start], token_ids[start:])
+                )
+                child.grammar = self.grammars.request_grammar(matcher, prompt_ids, accepted)
+            parent.children.append(child)
+            parent.logprob_dicts.append([])
+            det = None
+            if self.tokenizer is not None and child.sampling_params.detokenize:
+                det = IncrementalDetokenizer(self.tokenizer, child)
+            parent.detokenizers.append(det)
+        return parent
+
+    def _check_prompt_length(self, token_ids: list[int]) -> None:
+        """A prompt of known tokens, with room for at least one more under max_model_len."""
         max_len = self.config.model_config.max_model_len
         if not token_ids:
             raise ValueError("The prompt is empty.")
@@ -93,14 +133,9 @@ class InputProcessor:
                 f"The prompt has {len(token_ids)} tokens; max_model_len is {max_len}, which leaves no room "
                 "to generate."
             )
-        self._check_logprobs(params)
-        # compiled here, before anything is queued: a bad schema fails the request, never a step
-        grammar = (
-            self.grammars.compile(params.structured_outputs)
-            if params.structured_outputs is not None
-            else None
-        )
-        spec, bad_words = self._logits_spec(params)
+
+    def _check_masked(self, params: SamplingParams, bad_words: tuple) -> None:
+        """The tokens one step may mask for the request fit a row's banned-token slots."""
         masked = len(bad_words) + (
             len(set(params.stop_token_ids) | self.extra_eos_ids) + 1 if params.min_tokens else 0
         )
@@ -109,46 +144,32 @@ class InputProcessor:
                 f"At most {MAX_BANNED_TOKENS} token ids can be masked per step: min_tokens masks the EOS and "
                 f"stop token ids, and each multi-token bad word one more; this request needs {masked}."
             )
-        arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        room = max_len - len(token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        best_of = params.best_of or params.n
-        parent = ParentRequest(
-            request_id, text, token_ids, [], arrival_time=arrival_time, n=params.n, best_of=best_of
+
+    def _child(
+        self, parent: ParentRequest, i: int, params: SamplingParams, priority: int, room: int
+    ) -> Request:
+        """Sample i of the parent (of best_of): its own seed (the request's + i when one is
+        given), the model's extra EOS ids as stop ids, the prompt's pages shared with sample 0."""
+        child_params = params.clone(n=1, best_of=None)
+        if params.seed is not None:
+            child_params.seed = params.seed + i
+        child_params.stop_token_ids = sorted(set(child_params.stop_token_ids) | self.extra_eos_ids)
+        seed = child_params.seed if child_params.seed is not None else int(self._seed_rng.integers(2**31))
+        request_id = parent.request_id
+        child = Request(
+            request_id if parent.best_of == 1 else f"{i}_{request_id}",
+            parent.prompt_token_ids,
+            child_params,
+            seed=seed,
+            eos_token_id=self.eos_token_id,
+            prompt=parent.prompt,
+            priority=priority,
+            arrival_time=parent.arrival_time,
+            max_tokens=room if params.max_tokens is None else min(params.max_tokens, room),
         )
-        for i in range(best_of):
-            child_params = params.clone(n=1, best_of=None)
-            if params.seed is not None:
-                child_params.seed = params.seed + i
-            child_params.stop_token_ids = sorted(set(child_params.stop_token_ids) | self.extra_eos_ids)
-            seed = child_params.seed if child_params.seed is not None else int(self._seed_rng.integers(2**31))
-            child = Request(
-                request_id if best_of == 1 else f"{i}_{request_id}",
-                token_ids,
-                child_params,
-                seed=seed,
-                eos_token_id=self.eos_token_id,
-                prompt=text,
-                priority=priority,
-                arrival_time=arrival_time,
-                max_tokens=max_tokens,
-            )
-            child.logits_spec, child.bad_words = spec, bad_words
-            if grammar is not None:
-                matcher = grammar if i == 0 else grammar.deep_copy()
-                prompt_ids, accepted = (
-                    (token_ids, ()) if start is None else (token_ids[:start], token_ids[start:])
-                )
-                child.grammar = self.grammars.request_grammar(matcher, prompt_ids, accepted)
-            child.wants_prompt_logprobs = params.prompt_logprobs is not None and i == 0  # once per request
-            child.shares_prompt_with = parent.children[0] if i else None
-            parent.children.append(child)
-            parent.logprob_dicts.append([])
-            det = None
-            if self.tokenizer is not None and child_params.detokenize:
-                det = IncrementalDetokenizer(self.tokenizer, child)
-            parent.detokenizers.append(det)
-        return parent
+        child.wants_prompt_logprobs = params.prompt_logprobs is not None and i == 0  # once per request
+        child.shares_prompt_with = parent.children[0] if i else None
+        return child
 
     def _check_logprobs(self, params: SamplingParams) -> None:
         limit = self.config.model_config.max_logprobs

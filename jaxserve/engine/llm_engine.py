@@ -255,6 +255,48 @@ class LLMEngine:
         are in use by running requests, and nothing was reset."""
         return self.scheduler.reset_prefix_cache()
 
+    # ---- what a server asks of the engine besides steps ----------------------------------
+
+    def share_grammars(self, other: LLMEngine) -> None:
+        """Compile structured-output grammars in `other`'s cache (data-parallel replicas: a
+        schema the server checked compiles once for all of them)."""
+        self.input_processor.grammars = self.grammars = other.grammars
+
+    def check_structured_outputs(self, params) -> None:
+        """Compile a request's grammar (cached for when the request is made); ValueError naming
+        what is wrong with it."""
+        self.grammars.compile(params)
+
+    def check_lora(self, lora_request) -> None:
+        """Read a LoRA adapter as a request naming it would (ValueError, one line, if it cannot
+        be served; LookupError if LoRA is not enabled)."""
+        if self.adapters is None:
+            raise LookupError("LoRA is not enabled on this server (--enable-lora).")
+        self.adapters.get(lora_request)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Pages in the KV pool."""
+        return self.runner.num_blocks
+
+    @property
+    def tracing(self) -> bool:
+        """Finished requests are exported as spans (--otlp-traces-endpoint)."""
+        return self.tracer is not None
+
+    def stop_compiling(self) -> None:
+        """End the start-up compiles still under way after their current bucket."""
+        self.runner.stop_compiling()
+
+    def close_workers(self) -> None:
+        """Tell the other processes of a multi-process engine, if any, to stop with this one."""
+        channel = self.runner.channel
+        if channel is not None:
+            from jaxserve import distributed
+
+            distributed.closing()
+            channel.publish("stop")
+
     def seconds_until_next_step(self) -> float:
         """How long the server's loop may wait for more requests before planning the next step
         (asynchronous scheduling: until shortly before the step in flight is expected to end); 0:

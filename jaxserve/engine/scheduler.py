@@ -167,30 +167,31 @@ class Scheduler:
 
     def _schedule_running(self, plan: StepPlan) -> None:
         """Running requests, in order: decodes and the next chunks of ongoing prefills."""
+        running, allocate = self.running, self.block_manager.allocate
         i = 0
-        while i < len(self.running) and plan.budget > 0:
-            req = self.running[i]
+        while i < len(running) and plan.budget > 0:
+            req = running[i]
             n = self._chunk_size(req, req.num_computed_tokens, plan.budget)
             if n > 0:
-                num_running = len(self.running)
-                if not self._allocate_running(req, n, plan):
-                    return  # the request preempted itself: nothing below it can get pages either
+                if not allocate(req.request_id, req.num_computed_tokens + n):
+                    if not self._preempt_for(req, n, plan):
+                        return  # the request preempted itself: nothing below it can get pages either
+                    i = running.index(req)  # a victim may have stood before req
                 plan.add(req, n)
-                if len(self.running) != num_running:
-                    i = self.running.index(req)  # a victim may have stood before req
             i += 1
 
-    def _allocate_running(self, req: Request, n: int, plan: StepPlan) -> bool:
-        """Pages for the request's next n tokens, preempting from the tail of the running queue
-        until they fit; False when the request itself was preempted."""
-        while not self.block_manager.allocate(req.request_id, req.num_computed_tokens + n):
+    def _preempt_for(self, req: Request, n: int, plan: StepPlan) -> bool:
+        """Pages for the request's next n tokens by preempting from the tail of the running
+        queue until they fit; False when the request itself was preempted."""
+        while True:
             victim = self._pick_victim()
             plan.preempted = True
             plan.drop(victim)  # (under the priority policy it may be scheduled already)
             self._preempt(victim)
             if victim is req:
                 return False
-        return True
+            if self.block_manager.allocate(req.request_id, req.num_computed_tokens + n):
+                return True
 
     def _admit_waiting(self, plan: StepPlan, now: float) -> None:
         """Waiting requests, in queue order, while the budget, the row limit and pages last."""
@@ -244,10 +245,11 @@ class Scheduler:
         """The step as the runner sees it: every planned row frozen, in the plan's order."""
         last_rows, self._sampled_rows = self._sampled_rows, {}
         sampled: list[Request] = []  # _commit adds the requests whose row samples, in row order
+        n = plan.num_tokens
         seqs = tuple(
             [
-                self._commit(r.request, r.num_tokens, i, last_rows, sampled)
-                for i, r in enumerate(plan.rows.values())
+                self._commit(req, n[req.request_id], row, last_rows, sampled)
+                for row, req in enumerate(plan.requests)
             ]
         )
         lora_loads = self.lora_slots.take_loads() if self.lora_slots is not None else ()
@@ -357,7 +359,7 @@ class Scheduler:
             bm.block_table(req.request_id),
             sampling,
             slot_init,
-            prompt_logprob_targets(req, start, end),
+            prompt_logprob_targets(req, start, end) if req.wants_prompt_logprobs else None,
             feed_from_row,
             req.lora_slot,
         )

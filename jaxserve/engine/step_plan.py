@@ -18,29 +18,27 @@ class InFlightStep(NamedTuple):
     sampled: tuple[Request, ...]  # the requests whose rows sample, in the order of the output's rows
 
 
-class PlannedRow(NamedTuple):
-    request: Request
-    num_tokens: int  # fed this step
-
-
 @dataclass
 class StepPlan:
-    """A step being planned: its rows so far, in the order they are laid out, and the token
-    budget left."""
+    """A step being planned: its requests in the order their rows are laid out, the tokens each
+    is fed, and the token budget left."""
 
     budget: int
-    rows: dict[str, PlannedRow] = field(default_factory=dict)  # by request id
+    requests: list[Request] = field(default_factory=list)
+    num_tokens: dict[str, int] = field(default_factory=dict)  # by request id
     preempted: bool = False  # some request lost its pages
 
     def add(self, req: Request, n: int) -> None:
-        self.rows[req.request_id] = PlannedRow(req, n)
+        self.requests.append(req)
+        self.num_tokens[req.request_id] = n
         self.budget -= n
 
     def drop(self, req: Request) -> None:
         """Take a preempted request's row back, with its tokens."""
-        row = self.rows.pop(req.request_id, None)
-        if row is not None:
-            self.budget += row.num_tokens
+        n = self.num_tokens.pop(req.request_id, None)
+        if n is not None:
+            self.requests.remove(req)
+            self.budget += n
 
 
 class Admission(enum.Enum):

@@ -254,7 +254,7 @@ def _load_model(
 
 def _read_buffers(model_config: ModelConfig, entry, args, flat: dict) -> dict[str, np.ndarray]:
     """Every parameter as one host array (layers stacked), by dotted parameter path."""
-    from jaxserve.loader.gguf import GroupQuantized
+    from jaxserve.loader.gguf_blocks import GroupQuantized
 
     copies = getattr(args, "kv_head_copies", 1)
     buffers: dict[str, np.ndarray] = {}

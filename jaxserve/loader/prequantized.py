@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.loader.gguf import GroupQuantized
+from jaxserve.loader.gguf_blocks import GroupQuantized
 from jaxserve.loader.safetensors import iter_safetensors, read_headers
 
 logger = logging.getLogger(__name__)

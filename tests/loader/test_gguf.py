@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from tiny_checkpoints import CHAT_TEMPLATE, llama_cpp_permute, write_tiny_gguf
 
-from jaxserve.loader.gguf import _unpermute_rows, iter_gguf_tensors, load_gguf_tokenizer, read_gguf_config
+from jaxserve.loader.gguf import iter_gguf_tensors, load_gguf_tokenizer, read_gguf_config
+from jaxserve.loader.gguf_blocks import unpermute_rows
 
 TEXTS = [
     "Hello world!",
@@ -73,10 +74,10 @@ def test_unpermute_inverts_llama_cpp_permute(num_heads, rows, cols):
     weights = np.random.default_rng(1).standard_normal((rows, cols)).astype(np.float32)
     permuted = llama_cpp_permute(weights, num_heads)
     assert not np.array_equal(permuted, weights)
-    np.testing.assert_array_equal(_unpermute_rows(permuted, num_heads, "t", "f"), weights)
+    np.testing.assert_array_equal(unpermute_rows(permuted, num_heads, "t", "f"), weights)
     bias = weights[:, 0].copy()
     np.testing.assert_array_equal(
-        _unpermute_rows(llama_cpp_permute(bias, num_heads), num_heads, "t", "f"), bias
+        unpermute_rows(llama_cpp_permute(bias, num_heads), num_heads, "t", "f"), bias
     )
 
 

@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 from tiny_models import TINY_LLAMA
 
-from jaxserve.loader.gguf import _unpermute_rows
+from jaxserve.loader.gguf_blocks import unpermute_rows
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -171,7 +171,7 @@ def write_tiny_gguf(
             writer.add_tensor(gguf_name, blocks, raw_dtype=proj_type)
             value = gguf.quants.dequantize(blocks, proj_type)
             expected[hf_name] = (
-                _unpermute_rows(value, heads_to_permute, hf_name, path) if heads_to_permute else value
+                unpermute_rows(value, heads_to_permute, hf_name, path) if heads_to_permute else value
             )
             return
         writer.add_tensor(gguf_name, np.ascontiguousarray(stored))

@@ -17,14 +17,20 @@ import logging.config
 import os
 import sys
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from jaxserve import __version__
-from jaxserve.engine.async_engine import AsyncLLMEngine, EngineRequestError
+from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.entrypoints.openai import cli_args
+from jaxserve.entrypoints.openai.http_middleware import (
+    auth_middleware,
+    cors_middleware,
+    error_response,
+    errors_middleware,
+)
 from jaxserve.entrypoints.openai.json_body import read_json_object
 from jaxserve.entrypoints.openai.openapi import openapi_document
 from jaxserve.entrypoints.openai.protocol import (
@@ -34,14 +40,12 @@ from jaxserve.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     bad_request,
-    error_body,
     now,
     validation_message,
 )
 from jaxserve.entrypoints.openai.server_args import ServerArgs
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jaxserve.entrypoints.openai.serving_engine import ModelNotFound
 from jaxserve.entrypoints.openai.tls import ssl_context, ssl_refresher
 from jaxserve.entrypoints.openai.user_middleware import load_middleware
 from jaxserve.lora.modules import LoRAModules, parse_lora_modules
@@ -62,107 +66,6 @@ HANDLER_SETTINGS = {
 }
 STATS_LOG_INTERVAL_S = 10.0
 SHUTDOWN_TIMEOUT_S = 30.0
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def error_response(message: str, status: int = 400, param: str | None = None) -> web.Response:
-    return web.json_response(error_body(message, status, param), status=status)
-
-
-# ---- middlewares --------------------------------------------------------------------------
-
-
-@web.middleware
-async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure leaves as an OpenAI-style JSON error; a bug is a 500, never a crash."""
-    try:
-        return await handler(request)
-    except ValueError as e:
-        return error_response(str(e), getattr(e, "status", 400), getattr(e, "param", None))
-    except ModelNotFound as e:
-        return error_response(str(e), 404, "model")
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app._client_max_size
-        return error_response(f"The request body is too large (the limit is {limit} bytes).", 413)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return error_response(e.reason or e.text or "error", e.status)
-    except EngineRequestError as e:
-        return error_response(str(e), 500)
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:  # the trace goes to the log; the client learns nothing of the internals
-        logger.exception("Unhandled error in %s %s", request.method, request.path)
-        return error_response("Internal server error (the server log has the details).", 500)
-
-
-def _auth_middleware(api_key: str, root_path: str) -> Callable:
-    expected = f"Bearer {api_key}"
-    prefixes = ("/v1", root_path.rstrip("/") + "/v1") if root_path else ("/v1",)
-
-    @web.middleware
-    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.method != "OPTIONS" and request.path.startswith(prefixes):
-            if request.headers.get("Authorization") != expected:
-                return error_response(
-                    "Unauthorized: a valid API key is required (Authorization: Bearer).", 401
-                )
-        return await handler(request)
-
-    return auth
-
-
-def _cors_middleware(args: ServerArgs) -> Callable:
-    """CORS like Starlette's CORSMiddleware, which vLLM uses: preflights are answered
-    here, other responses get the allow-origin headers."""
-    any_origin = "*" in args.allowed_origins
-    methods = (
-        "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
-        if "*" in args.allowed_methods
-        else ", ".join(args.allowed_methods)
-    )
-
-    def allow_origin(origin: str) -> str | None:
-        if any_origin:
-            return origin if args.allow_credentials else "*"
-        return origin if origin in args.allowed_origins else None
-
-    @web.middleware
-    async def cors(request: web.Request, handler: Handler) -> web.StreamResponse:
-        origin = request.headers.get("Origin")
-        if origin is None:
-            return await handler(request)
-        allowed = allow_origin(origin)
-        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
-            wanted = request.headers["Access-Control-Request-Method"]
-            if allowed is None or ("*" not in args.allowed_methods and wanted not in args.allowed_methods):
-                return web.Response(status=400, text="Disallowed CORS request")
-            requested_headers = request.headers.get("Access-Control-Request-Headers", "")
-            headers = {
-                "Access-Control-Allow-Origin": allowed,
-                "Access-Control-Allow-Methods": methods,
-                "Access-Control-Allow-Headers": requested_headers
-                if "*" in args.allowed_headers
-                else ", ".join(args.allowed_headers),
-                "Access-Control-Max-Age": "600",
-                "Vary": "Origin",
-            }
-            if args.allow_credentials:
-                headers["Access-Control-Allow-Credentials"] = "true"
-            return web.Response(status=200, headers=headers)
-        response = await handler(request)
-        if allowed is not None and not response.prepared:
-            response.headers["Access-Control-Allow-Origin"] = allowed
-            if args.allow_credentials:
-                response.headers["Access-Control-Allow-Credentials"] = "true"
-            if not any_origin or args.allow_credentials:
-                response.headers["Vary"] = "Origin"
-        return response
-
-    return cors
-
 
 # ---- the app -----------------------------------------------------------------------------
 
@@ -348,11 +251,11 @@ def build_app(
     engine: AsyncLLMEngine, args: ServerArgs, max_body_bytes: int = MAX_BODY_BYTES
 ) -> web.Application:
     """The aiohttp app; it starts the engine thread on start-up and stops it on cleanup."""
-    middlewares = [_cors_middleware(args)]
+    middlewares = [cors_middleware(args)]
     if args.api_key:
-        middlewares.append(_auth_middleware(args.api_key, args.root_path or ""))
+        middlewares.append(auth_middleware(args.api_key, args.root_path or ""))
     middlewares += [load_middleware(path) for path in args.middleware]  # see user_middleware.py
-    middlewares.append(_errors)
+    middlewares.append(errors_middleware)
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     mc, sc = engine.config.model_config, engine.config.scheduler_config
     lora = engine.config.lora_config

@@ -21,39 +21,46 @@ from jaxserve.entrypoints.openai.protocol import (
 )
 
 
+def _body(model: type[BaseModel], schemas: dict) -> dict:
+    """A required JSON body of the pydantic model; its schema (and those it refers to) go into
+    `schemas`."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(schema.pop("$defs", {}))
+    schemas[model.__name__] = schema
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _answers(*content_types: str, errors: tuple[str, ...] = ()) -> dict:
+    """200 with these content types, and the OpenAI-style error body for `errors` (a client
+    mistake is always a 4xx with it; a 5xx would be a server bug)."""
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    responses = {"200": {"description": "Successful Response"}}
+    if content_types:
+        responses["200"]["content"] = {t: {} for t in content_types}
+    for status in errors:
+        responses[status] = {"description": HTTPStatus(int(status)).phrase, **error}
+    return {"responses": responses}
+
+
 def openapi_document(root_path: str | None = None) -> dict:
     """The OpenAPI description of the endpoints, request schemas from the pydantic models."""
     schemas: dict = {}
 
     def body(model: type[BaseModel]) -> dict:
-        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        schemas.update(schema.pop("$defs", {}))
-        schemas[model.__name__] = schema
-        ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-        return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
-
-    def answers(*content_types: str, errors: tuple[str, ...] = ()) -> dict:
-        """200 with these content types, and the OpenAI-style error body for `errors` (a client
-        mistake is always a 4xx with it; a 5xx would be a server bug)."""
-        error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
-        responses = {"200": {"description": "Successful Response"}}
-        if content_types:
-            responses["200"]["content"] = {t: {} for t in content_types}
-        for status in errors:
-            responses[status] = {"description": HTTPStatus(int(status)).phrase, **error}
-        return {"responses": responses}
+        return _body(model, schemas)
 
     client_errors = ("400", "404", "413", "415")
-    generation = answers("application/json", "text/event-stream", errors=client_errors)
+    generation = _answers("application/json", "text/event-stream", errors=client_errors)
     paths = {
-        "/health": {"get": {"summary": "Health", **answers(errors=("503",))}},
+        "/health": {"get": {"summary": "Health", **_answers(errors=("503",))}},
         "/ping": {
-            "get": {"summary": "Ping", **answers(errors=("503",))},
-            "post": {"summary": "Ping", **answers(errors=("503",))},
+            "get": {"summary": "Ping", **_answers(errors=("503",))},
+            "post": {"summary": "Ping", **_answers(errors=("503",))},
         },
-        "/version": {"get": {"summary": "Version", **answers("application/json")}},
-        "/metrics": {"get": {"summary": "Prometheus metrics", **answers("text/plain")}},
-        "/v1/models": {"get": {"summary": "List models", **answers("application/json")}},
+        "/version": {"get": {"summary": "Version", **_answers("application/json")}},
+        "/metrics": {"get": {"summary": "Prometheus metrics", **_answers("text/plain")}},
+        "/v1/models": {"get": {"summary": "List models", **_answers("application/json")}},
         "/v1/completions": {
             "post": {"summary": "Create completion", **body(CompletionRequest), **generation}
         },
@@ -64,14 +71,14 @@ def openapi_document(root_path: str | None = None) -> dict:
             "post": {
                 "summary": "Tokenize",
                 **body(TokenizeCompletionRequest),
-                **answers("application/json", errors=client_errors),
+                **_answers("application/json", errors=client_errors),
             }
         },
         "/detokenize": {
             "post": {
                 "summary": "Detokenize",
                 **body(DetokenizeRequest),
-                **answers("application/json", errors=client_errors),
+                **_answers("application/json", errors=client_errors),
             }
         },
     }
