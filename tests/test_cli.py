@@ -261,7 +261,7 @@ def test_throughput_benchmark_times_sampling_costs(model_dir, tmp_path, capsys):
     argv += ["--sampling-costs", "--no-hf-baseline", "--output-json", str(out_json), *ENGINE_FLAGS]
     assert load_benchmark("throughput").main(argv) == 0
     costs = json.loads(out_json.read_text())["sampling_costs"]
-    assert set(costs) == {"plain", "penalties", "logprobs5"}
+    assert set(costs) == {"plain", "penalties", "logprobs5", "prompt_logprobs1"}
     assert costs["plain"]["ratio_to_plain"] == 1.0
     assert all(r["output_tokens_per_second"] > 0 and r["ratio_to_plain"] > 0 for r in costs.values())
     assert "x plain" in capsys.readouterr().out
