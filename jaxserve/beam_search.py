@@ -120,9 +120,7 @@ def start_search(engine, prompt_token_ids: list[int], params: BeamSearchParams) 
             f"beam_width {params.beam_width} needs the top {2 * params.beam_width} logprobs per step; "
             f"--max-logprobs is {limit}."
         )
-    room = engine.config.model_config.max_model_len - len(prompt_token_ids)
-    if room < 1:
-        raise ValueError(f"The prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate.")
+    room = engine.config.model_config.room_after(len(prompt_token_ids))
     return BeamSearch(prompt_token_ids, params, engine.eos_token_id, min(params.max_tokens, room))
 
 

@@ -62,6 +62,17 @@ class ModelConfig:
     def get(self, key: str, default: Any = None) -> Any:
         return self.hf_config.get(key, default)
 
+    def room_after(self, prompt_len: int) -> int:
+        """The tokens a prompt of `prompt_len` leaves to generate under max_model_len; ValueError
+        (vLLM's words, which the server returns as they are) when it leaves none. The one place
+        a prompt's length is checked: the engine's requests, the server's and beam searches."""
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"request has {prompt_len} input tokens. Please reduce the length of the input messages."
+            )
+        return self.max_model_len - prompt_len
+
 
 @dataclass(frozen=True)
 class CacheConfig:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -27,7 +27,7 @@ PLACEHOLDER_TOKEN = -1
 @dataclass(frozen=True)
 class SamplingRow:
     """What the in-jit sampler needs for one sampled row. The same for every step of a request
-    unless its slot, its banned tokens or its grammar's activity change, so the scheduler keeps
+    unless its processor slot, its banned tokens or its grammar's activity change, so the scheduler keeps
     one per request."""
 
     temperature: float  # 0.0 means greedy
@@ -42,7 +42,7 @@ class SamplingRow:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    slot: int = -1  # the request's logit-processing slot on the device, -1 = none
+    processor_slot: int = -1  # the request's logit-processor slot on the device, -1 = none
     logprobs: int | None = None  # the request's `logprobs`: top-k wanted (and the sampled token's rank)
     constrained: bool = False  # structured outputs: the runner applies the row's grammar mask
 
@@ -62,38 +62,38 @@ class SamplingRow:
     @functools.cached_property
     def extras(self) -> tuple[bool, bool, bool]:
         """What the row needs of its step: a processor slot, top logprobs, a token mask."""
-        return (self.slot >= 0, self.logprobs is not None, self.constrained)
+        return (self.processor_slot >= 0, self.logprobs is not None, self.constrained)
 
     @functools.cached_property
     def int_params(self) -> tuple[int, ...]:
-        """top_k, the seed's low 32 bits, -output_start (the step adds the row's position), slot."""
-        return (self.top_k, self.seed & 0xFFFFFFFF, -self.output_start, self.slot)
+        """top_k, the seed's low 32 bits, -output_start (the step adds the row's position), processor slot."""
+        return (self.top_k, self.seed & 0xFFFFFFFF, -self.output_start, self.processor_slot)
 
 
 # The runner's sampling arrays (layers/sampler.py SamplingArrays) built from SamplingRow's
 # float_params and int_params, column by column in this order: each array's name, and what a
-# row that samples nothing holds (greedy, no filter, no penalty, no slot).
+# row that samples nothing holds (greedy, no filter, no penalty, no processor slot).
 FLOAT_COLUMNS: dict[str, float] = {
     "temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "presence": 0.0, "frequency": 0.0, "repetition": 1.0
 }  # fmt: skip
 INT_COLUMNS: dict[str, tuple[int, type]] = {
-    "top_k": (0, np.int32), "seeds": (0, np.uint32), "steps": (0, np.int32), "slot": (-1, np.int32)
+    "top_k": (0, np.int32), "seeds": (0, np.uint32), "steps": (0, np.int32), "processor_slot": (-1, np.int32)
 }  # fmt: skip
 
 
 @dataclass(frozen=True)
 class LogitsSpec:
-    """What a request's device slot holds besides its token history, fixed for its life."""
+    """What a request's processor slot holds besides its token history, fixed for its life."""
 
     bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit); -inf: never
     allowed_token_ids: tuple[int, ...] | None = None  # None: all
 
 
 @dataclass(frozen=True)
-class SlotInit:
-    """Fill a device slot for a request about to sample: its bias row and token history."""
+class ProcessorSlotInit:
+    """Fill a request's processor slot before it samples: its bias row and token history."""
 
-    slot: int
+    processor_slot: int
     spec: LogitsSpec
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]  # non-empty when a preempted request resumes
@@ -107,7 +107,7 @@ class ScheduledSeq(NamedTuple):
     start_pos: int  # tokens of this sequence already in the KV cache
     block_ids: tuple[int, ...]  # the sequence's page table, covering start_pos + num_new tokens
     sampling: SamplingRow | None  # None while a prefill chunk has not reached the prompt's end
-    slot_init: SlotInit | None = None  # set on the first step after the request got its slot
+    processor_init: ProcessorSlotInit | None = None  # the first step after it got its processor slot
     # prompt_logprobs: for each fed prompt token that has a successor in the prompt, that
     # successor (the token whose logprob this row's logits give); None when not asked for.
     prompt_logprob_targets: tuple[int, ...] | None = None
@@ -165,3 +165,30 @@ class ModelRunnerOutput:
     top_logprobs: TopLogprobs[np.ndarray] | None = None  # rows as req_ids, when some row asked for logprobs
     # request id -> the ranked logprobs of the prompt_logprob_targets fed this step
     prompt_logprobs: dict[str, TopLogprobs[np.ndarray]] = field(default_factory=dict)
+
+
+@runtime_checkable
+class StepRunner(Protocol):
+    """What the engine asks of its device side each step (ModelRunner; tests' fake runners
+    answer the same, checked by one conformance test). A step is dispatched, may be waited on
+    without reading it, and is collected once, in dispatch order."""
+
+    args: Any  # the model's shape (vocab_size: the width of the logits)
+    num_blocks: int  # pages in the KV pool, the null page included
+    ready_token_budget: int | None  # most tokens a step may have while buckets compile; None: no cap
+    kv_pool_lost: bool  # a failed step took the KV pool with it (reset_kv_pool rebuilds it)
+
+    def dispatch(self, sched: SchedulerOutput, fill_bitmask=None) -> Any:
+        """Start the step on the device; a handle for the calls below."""
+
+    def is_ready(self, handle: Any) -> bool:
+        """Whether the step has ended on the device (collect would not wait)."""
+
+    def wait_ready(self, handle: Any) -> None:
+        """Block until the step has ended on the device, without reading its results."""
+
+    def collect(self, handle: Any) -> ModelRunnerOutput:
+        """The step's results on the host (waits for it to end)."""
+
+    def reset_kv_pool(self) -> None:
+        """A fresh KV pool after a failed step lost it."""

@@ -65,7 +65,7 @@ def prompt_logits(runner: ModelRunner, token_ids: list[int], lora_slot: int = -1
     pages = tuple(range(1, 1 + -(-n // runner.page_size)))
     seq = ScheduledSeq("r", tuple(token_ids), 0, pages, GREEDY, lora_slot=lora_slot)
     sched = SchedulerOutput((seq,))
-    inputs = runner._prepare(sched, (padded, 1))
+    inputs = runner.prepare(sched, (padded, 1))
     indices = np.zeros(padded, np.int32)
     indices[:n] = np.arange(n)
     inputs = dataclasses.replace(inputs, logits_indices=indices)

@@ -31,7 +31,7 @@ from jaxserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from jaxserve.config import EngineConfig
 from jaxserve.engine.input_processor import PromptType
 from jaxserve.engine.llm_engine import EngineDeadError, LLMEngine
-from jaxserve.engine.pacing import StepPacer, StepWatcher
+from jaxserve.engine.pacing import StepWatcher, take_turn
 from jaxserve.engine.parent_request import ParentRequest
 from jaxserve.engine.router import Router
 from jaxserve.engine.stats import IterationStats, SchedulerStats
@@ -235,8 +235,7 @@ class AsyncLLMEngine:
         """Check and build a request without queueing it; ValueError on bad input."""
         if self.dead_error is not None:
             raise EngineRequestError(f"The engine is not running: {self.dead_error}")
-        if request_id in self._streams:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
+        self._check_id_free(request_id)
         if trace_headers and not self.engine.tracing and not self._warned_trace_headers:
             self._warned_trace_headers = True
             logger.warning("Requests carry trace context, but tracing is off (--otlp-traces-endpoint).")
@@ -249,8 +248,7 @@ class AsyncLLMEngine:
         finishes. Leaving the loop early (a disconnected client cancels its handler)
         aborts the request, which frees its KV pages on the engine's next turn."""
         request_id = parent.request_id
-        if request_id in self._streams:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
+        self._check_id_free(request_id)
         stream = _RequestStream()
         self._streams[request_id] = stream
         replica = self._routes[request_id] = self.router.assign(parent.prompt_token_ids)
@@ -269,6 +267,12 @@ class AsyncLLMEngine:
             self.router.release(replica)
             if not finished:
                 self._post(replica, ("abort", request_id))
+
+    def _check_id_free(self, request_id: str) -> None:
+        """On the event loop, which owns the table of streams: a request id is taken from stream()
+        until its stream ends (the engine's thread learns of the end through the inbox, in order)."""
+        if request_id in self._streams:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
 
     def generate(
         self,
@@ -330,9 +334,11 @@ class AsyncLLMEngine:
                 kind, payload = replica.inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                if payload.request_id in self._streams:  # not abandoned while in the inbox
+            if kind == "add":  # (one abandoned meanwhile has its "abort" behind it in the inbox)
+                try:
                     replica.engine.enqueue(payload)
+                except ValueError as e:  # its id is still in use on this engine: fail it alone
+                    self._loop.call_soon_threadsafe(self._fail_one, payload.request_id, e)
             elif kind == "abort":
                 replica.engine.abort_request(payload)
             else:  # "call": a function of the engine, between steps, and the future it answers
@@ -362,28 +368,20 @@ class AsyncLLMEngine:
 
     def _run(self, replica: _Replica) -> None:
         engine = replica.engine
-        watched = False  # the watcher wakes this thread when the step in flight ends
         try:
             while not self._stopping and self.dead_error is None:
                 self._drain_inbox(replica)
-                if not engine.has_unfinished_requests() or engine.is_sleeping:
-                    pending = engine.flush_stats()
-                    if pending is not None:
-                        self._loop.call_soon_threadsafe(
-                            self._publish, replica, [], (engine.scheduler_stats(), pending)
-                        )
-                    replica.wakeup.wait()
+                outputs, wait = take_turn(engine, replica.watcher)  # engine/pacing.py
+                if outputs is not None:
+                    stats = (engine.scheduler_stats(), engine.iteration_stats)
+                    self._loop.call_soon_threadsafe(self._publish, replica, outputs, stats)
+                elif wait is None and (pending := engine.flush_stats()) is not None:  # idle
+                    self._loop.call_soon_threadsafe(
+                        self._publish, replica, [], (engine.scheduler_stats(), pending)
+                    )
+                if wait != 0:
+                    replica.wakeup.wait(wait)
                     replica.wakeup.clear()
-                    continue
-                wait = engine.seconds_until_next_step()
-                if wait > 0:  # requests that come meanwhile join the next step (engine/pacing.py)
-                    replica.wakeup.wait(wait if watched else min(wait, StepPacer.POLL_S))
-                    replica.wakeup.clear()
-                    continue
-                outputs = engine.step()
-                watched = replica.watcher.watch(engine.in_flight_waiter())
-                stats = (engine.scheduler_stats(), engine.iteration_stats)
-                self._loop.call_soon_threadsafe(self._publish, replica, outputs, stats)
         except BaseException as e:  # the engine cannot go on: fail everyone, /health says so
             if not isinstance(e, EngineDeadError):
                 logger.exception("The engine loop died")
@@ -426,6 +424,11 @@ class AsyncLLMEngine:
                 callback(sched, stats[1])
             except Exception:  # metrics must never take the server down
                 logger.exception("A stats callback failed")
+
+    def _fail_one(self, request_id: str, error: ValueError) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.fail(error)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():

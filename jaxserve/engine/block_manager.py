@@ -108,7 +108,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._hash_fn = _HASH_FNS[hash_algo]
+        self.hash_fn = _HASH_FNS[hash_algo]  # how a page's tokens and its parent's hash are hashed
         if enable_prefix_caching and hash_algo == "builtin":
             logger.warning(
                 "--prefix-caching-hash-algo builtin: 64-bit Python hashes, which crafted prompts can "
@@ -170,7 +170,7 @@ class BlockManager:
     def root(self, lora_int_id: int) -> BlockHash:
         """The parent hash of a LoRA request's first page: pages computed with one adapter are
         never found by a request with another (or none), whose chains start elsewhere."""
-        return self._hash_fn(None, (-lora_int_id,))
+        return self.hash_fn(None, (-lora_int_id,))
 
     def get_computed_blocks(
         self, token_ids: Sequence[int], root: BlockHash | None = None
@@ -186,7 +186,7 @@ class BlockManager:
         bs = self.block_size
         blocks: list[int] = []
         for page_hash, key in pages(
-            token_ids, bs, stop=(len(token_ids) - 1) // bs, parent=root, hash_fn=self._hash_fn
+            token_ids, bs, stop=(len(token_ids) - 1) // bs, parent=root, hash_fn=self.hash_fn
         ):
             block = self._cached.get(page_hash)
             if block is None or self._block_key[block] != key:
@@ -253,7 +253,7 @@ class BlockManager:
         start, stop = len(hashes), min(num_tokens // self.block_size, len(table))
         last = hashes[-1] if hashes else root
         for i, (page_hash, key) in enumerate(
-            pages(token_ids, self.block_size, start, stop, last, self._hash_fn), start
+            pages(token_ids, self.block_size, start, stop, last, self.hash_fn), start
         ):
             hashes.append(page_hash)
             block = table[i]

@@ -11,7 +11,7 @@ its seed, its stop token ids (with the model's extra EOS ids), its device-slot c
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -28,9 +28,18 @@ PromptType = str | Sequence[int] | Mapping
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, generation_config: Mapping):
-        """vocab_size: the model's output width (ids in logit_bias and friends must fit it)."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer,
+        vocab_size: int,
+        generation_config: Mapping,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """vocab_size: the model's output width (ids in logit_bias and friends must fit it).
+        clock: the engine's, which stamps a request's arrival."""
         self.config = config
+        self.clock = clock
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id, self.extra_eos_ids = self._eos_ids(generation_config)
@@ -82,7 +91,7 @@ class InputProcessor:
         if priority != 0 and self.config.scheduler_config.policy != "priority":
             raise ValueError("priority is only honoured with scheduling_policy='priority'.")
         text, token_ids = self.tokenize_prompt(prompt)
-        self._check_prompt_length(token_ids)
+        room = self._check_prompt_length(token_ids)
         self._check_logprobs(params)
         # compiled here, before anything is queued: a bad schema fails the request, never a step
         grammar = (
@@ -92,14 +101,13 @@ class InputProcessor:
         )
         spec, bad_words = self._logits_spec(params)
         self._check_masked(params, bad_words)
-        room = self.config.model_config.max_model_len - len(token_ids)
         best_of = params.best_of or params.n
         parent = ParentRequest(
             request_id,
             text,
             token_ids,
             [],
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
             n=params.n,
             best_of=best_of,
         )
@@ -122,17 +130,13 @@ class InputProcessor:
             parent.detokenizers.append(det)
         return parent
 
-    def _check_prompt_length(self, token_ids: list[int]) -> None:
-        """A prompt of known tokens, with room for at least one more under max_model_len."""
-        max_len = self.config.model_config.max_model_len
+    def _check_prompt_length(self, token_ids: list[int]) -> int:
+        """A prompt of known tokens, with room for at least one more under max_model_len: the
+        tokens left to generate."""
         if not token_ids:
             raise ValueError("The prompt is empty.")
         self.check_prompt_token_ids(token_ids)
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"The prompt has {len(token_ids)} tokens; max_model_len is {max_len}, which leaves no room "
-                "to generate."
-            )
+        return self.config.model_config.room_after(len(token_ids))
 
     def _check_masked(self, params: SamplingParams, bad_words: tuple) -> None:
         """The tokens one step may mask for the request fit a row's banned-token slots."""

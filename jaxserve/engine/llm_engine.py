@@ -29,6 +29,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.input_processor import InputProcessor, PromptType
@@ -47,10 +48,17 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.runner import kv_scales
 from jaxserve.runner.sleep import TAGS as SLEEP_TAGS
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler_output import SchedulerOutput
+from jaxserve.scheduler_output import SchedulerOutput, StepRunner
 from jaxserve.structured_output import bitmask_filler
 
 logger = logging.getLogger(__name__)
+
+
+class Dispatched(NamedTuple):
+    """A step on the device whose results the engine has not collected yet."""
+
+    sched: SchedulerOutput
+    handle: Any  # the runner's, for is_ready / wait_ready / collect
 
 
 class EngineDeadError(RuntimeError):
@@ -69,10 +77,20 @@ def build_runner(config: EngineConfig, devices=None, step_cache=None):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer=None, devices=None, runner=None):
-        """runner: the device side (anything with ModelRunner's interface; a test passes a fake).
-        Default: build_runner(config, devices), with the tokenizer loading beside it."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer=None,
+        devices=None,
+        runner: StepRunner | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """runner: the device side (default: build_runner(config, devices), with the tokenizer
+        loading beside it; a test passes a fake). clock: seconds on a monotonic clock, what
+        requests' arrival and token times and the pacing of steps are measured on (a test
+        passes one it advances itself)."""
         self.config = config
+        self.clock = clock
         if tokenizer is not None or runner is not None:
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_config)
             self.runner = runner if runner is not None else build_runner(config, devices)
@@ -91,6 +109,7 @@ class LLMEngine:
             config.cache_config,
             self.runner.num_blocks,
             lora.max_loras if lora else 0,
+            clock,
         )
         self.adapters = None  # LoRA adapters read from disk, by lora_int_id (lora/adapter.py)
         if lora is not None:
@@ -99,15 +118,17 @@ class LLMEngine:
         self.generation_config = read_generation_config(mc.model, mc.generation_config)
         self.sampling_defaults = sampling_defaults(self.generation_config, mc.override_generation_config)
         self.input_processor = InputProcessor(
-            config, self.tokenizer, self.runner.args.vocab_size, self.generation_config
+            config, self.tokenizer, self.runner.args.vocab_size, self.generation_config, clock
         )
         self.grammars = self.input_processor.grammars
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, clock)
         self.iteration_stats = IterationStats()  # of the last step
         self._between_steps = IterationStats()  # aborts since the last step, counted with the next
         self.async_scheduling = config.scheduler_config.async_scheduling
-        self._in_flight = None  # (SchedulerOutput, the runner's handle): dispatched, not collected
-        self.pacer = StepPacer()  # when the server's loop plans the next step (asynchronous scheduling)
+        self._in_flight: Dispatched | None = None  # dispatched, not collected yet
+        self.pacer = StepPacer(
+            clock=clock
+        )  # when the server's loop plans the next step (asynchronous scheduling)
         self._counter = itertools.count()
         self._released: tuple[str, ...] = ()  # what sleep() freed and wake_up() has not taken back
         self.tracer = None  # a span per finished request (engine/tracing.py), sent as it is recorded
@@ -159,10 +180,9 @@ class LLMEngine:
         trace_headers: Mapping[str, str] | None = None,
     ) -> ParentRequest:
         """Check and tokenize a request and build its child sequences; ValueError on bad
-        input. Touches no queue, so a server may call it off the engine's thread.
-        trace_headers: the W3C trace context its span joins (--otlp-traces-endpoint)."""
-        if request_id in self.output_processor.parents:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
+        input. Reads nothing that steps change, so a server may call it off the engine's thread
+        (enqueue checks that the id is free). trace_headers: the W3C trace context its span
+        joins (--otlp-traces-endpoint)."""
         if lora_request is not None:
             if self.adapters is None:
                 raise ValueError(
@@ -176,8 +196,12 @@ class LLMEngine:
         return parent
 
     def enqueue(self, parent: ParentRequest) -> None:
-        """Hand a request built by make_request to the scheduler."""
-        if parent.request_id in self.output_processor.parents:
+        """Hand a request built by make_request to the scheduler; ValueError (nothing queued)
+        if its id, or one of its sequences', is in use."""
+        ids = [parent.request_id, *(c.request_id for c in parent.children)]
+        if parent.request_id in self.output_processor.parents or any(
+            i in self.scheduler.requests for i in ids
+        ):
             raise ValueError(f"Request id {parent.request_id!r} is already in use.")
         for child in parent.children:
             self.scheduler.add_request(child)
@@ -193,7 +217,7 @@ class LLMEngine:
             self.scheduler.finish_requests(
                 [c.request_id for c in parent.children], RequestStatus.FINISHED_ABORTED
             )
-            self.output_processor.record_finished(self._between_steps, parent, time.monotonic())
+            self.output_processor.record_finished(self._between_steps, parent, self.clock())
 
     def abort_all(self) -> None:
         self.abort_request(list(self.output_processor.parents))
@@ -301,25 +325,19 @@ class LLMEngine:
         """How long the server's loop may wait for more requests before planning the next step
         (asynchronous scheduling: until shortly before the step in flight is expected to end); 0:
         plan it now. A loop that sleeps this long should be woken if the step ends sooner (see
-        in_flight_waiter), or ask again every StepPacer.POLL_S."""
+        in_flight_waiter); seconds on the engine's clock."""
         at = self.pacer.plan_at() if self.async_scheduling and self._in_flight is not None else None
-        if at is None or self._has_ended(self._in_flight[1]):
+        if at is None or self.runner.is_ready(self._in_flight.handle):
             return 0.0
-        return max(0.0, at - time.perf_counter())
+        return max(0.0, at - self.clock())
 
     def in_flight_waiter(self) -> Callable[[], None] | None:
         """A call that blocks, on any thread, until the step now in flight has ended on the device:
         a thread that runs it can wake the server's loop then, which otherwise has to ask every
-        few milliseconds. None: no step in flight, or a runner that cannot be waited on."""
-        wait_ready = getattr(self.runner, "wait_ready", None)
-        if self._in_flight is None or wait_ready is None:
+        few milliseconds. None: no step in flight."""
+        if self._in_flight is None:
             return None
-        return functools.partial(wait_ready, self._in_flight[1])
-
-    def _has_ended(self, handle) -> bool:
-        """Whether a dispatched step is done on the device (a test's fake runner may not say: yes)."""
-        is_ready = getattr(self.runner, "is_ready", None)
-        return is_ready is None or is_ready(handle)
+        return functools.partial(self.runner.wait_ready, self._in_flight.handle)
 
     def has_unfinished_requests(self) -> bool:
         """Requests alive, or a step still in flight (the next step() collects it)."""
@@ -337,7 +355,7 @@ class LLMEngine:
         next step, then finish the one in flight (first, if the new step needs its tokens)."""
         if self._released:  # asleep: requests wait for wake_up
             return []
-        started = time.perf_counter()
+        started = self.clock()
         outputs = self._finish_blocking_step()
         sched = self.scheduler.schedule(max_tokens=self.runner.ready_token_budget)
         stats = self._start_iteration(sched)
@@ -351,12 +369,14 @@ class LLMEngine:
 
     def _finish_blocking_step(self) -> list[RequestOutput]:
         """Finish the step in flight now if the next one cannot be planned without its tokens."""
-        if self._in_flight is None or not self.scheduler.needs_tokens_before_next(self._in_flight[0]):
+        if self._in_flight is None or not self.scheduler.needs_tokens_before_next(self._in_flight.sched):
             return []
         return self.settle()
 
-    def _dispatch(self, sched: SchedulerOutput, outputs: list[RequestOutput], started: float) -> tuple | None:
-        """Start a step on the device: (the step, the runner's handle), or None when there is
+    def _dispatch(
+        self, sched: SchedulerOutput, outputs: list[RequestOutput], started: float
+    ) -> Dispatched | None:
+        """Start a step on the device: the step and the runner's handle, or None when there is
         nothing to run or it failed to start (its requests' failures go to `outputs`)."""
         if sched.is_empty:
             return None
@@ -370,12 +390,12 @@ class LLMEngine:
             outputs += self._fail_step(sched, e)
             return None
         self.pacer.dispatched(sched.num_tokens, started)
-        return sched, handle
+        return Dispatched(sched, handle)
 
-    def _finish(self, in_flight: tuple, stats: IterationStats) -> list[RequestOutput]:
+    def _finish(self, in_flight: Dispatched, stats: IterationStats) -> list[RequestOutput]:
         """Collect a dispatched step's results and turn them into request state and outputs."""
         sched, handle = in_flight
-        waited = not self._has_ended(handle)
+        waited = not self.runner.is_ready(handle)
         try:
             runner_out = self.runner.collect(handle)
         except Exception as e:
@@ -425,16 +445,4 @@ class LLMEngine:
         return stats
 
     def scheduler_stats(self) -> SchedulerStats:
-        s = self.scheduler
-        prefix = s.prefix_cache_stats
-        running_loras, waiting_loras = s.lora_adapters()
-        return SchedulerStats(
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            kv_cache_usage=s.kv_cache_usage,
-            prefix_cache_queries=prefix.queries,
-            prefix_cache_hits=prefix.hits,
-            num_preemptions=s.num_preemptions,
-            running_lora_adapters=running_loras,
-            waiting_lora_adapters=waiting_loras,
-        )
+        return SchedulerStats.of(self.scheduler)

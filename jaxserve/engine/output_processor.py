@@ -10,7 +10,8 @@ end, and records the per-request timings the metrics are made of.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from jaxserve.engine.parent_request import ParentRequest
 from jaxserve.engine.request import Request
@@ -19,11 +20,19 @@ from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.scheduler_output import TopLogprobs
 
 
+class ChildRef(NamedTuple):
+    """Where a child sequence belongs: its parent request and its index among the children."""
+
+    parent: ParentRequest
+    index: int
+
+
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, clock: Callable[[], float] = time.monotonic) -> None:
         self.tokenizer = tokenizer
+        self.clock = clock  # the engine's: requests' arrival times are on it
         self.parents: dict[str, ParentRequest] = {}
-        self._children: dict[str, tuple[ParentRequest, int]] = {}  # child id -> (parent, index)
+        self._children: dict[str, ChildRef] = {}  # child id -> where it belongs
         self._last_token_time: dict[str, float] = {}  # child id -> when its last token came out
         self.tracer = None  # engine/tracing.py's RequestTracer: told of each finished request
 
@@ -32,7 +41,7 @@ class OutputProcessor:
     def add(self, parent: ParentRequest) -> None:
         self.parents[parent.request_id] = parent
         for i, child in enumerate(parent.children):
-            self._children[child.request_id] = (parent, i)
+            self._children[child.request_id] = ChildRef(parent, i)
 
     def pop(self, request_id: str) -> ParentRequest | None:
         """Forget a request (finished, aborted or failed); None if it is not live."""
@@ -44,7 +53,7 @@ class OutputProcessor:
         return parent
 
     def parent_ids(self, child_ids: Sequence[str]) -> set[str]:
-        return {self._children[c][0].request_id for c in child_ids if c in self._children}
+        return {self._children[c].parent.request_id for c in child_ids if c in self._children}
 
     # ---- a step's tokens -------------------------------------------------------------------
 
@@ -52,8 +61,8 @@ class OutputProcessor:
         """Feed each request's new token to its detokenizer; the stop strings that completed."""
         stops = []
         for req in updated:
-            entry = self._children.get(req.request_id)
-            det = entry[0].detokenizers[entry[1]] if entry else None
+            ref = self._children.get(req.request_id)
+            det = ref.parent.detokenizers[ref.index] if ref else None
             if det is None:
                 continue
             stop = det.update(req.output_token_ids[-1:], stop_terminated=req.finished_on_stop_token)
@@ -64,13 +73,13 @@ class OutputProcessor:
     def make_outputs(self, updated: Sequence[Request], stats: IterationStats) -> list[RequestOutput]:
         """A RequestOutput for every request that got a token (best_of > n, or output_kind
         FINAL_ONLY: only at the end); finished requests are forgotten."""
-        now = time.monotonic()
+        now = self.clock()
         changed: dict[str, ParentRequest] = {}
         for req in updated:
-            entry = self._children.get(req.request_id)
-            if entry is None:
+            ref = self._children.get(req.request_id)
+            if ref is None:
                 continue
-            parent = entry[0]
+            parent = ref.parent
             self._record_token(stats, parent, req, now)
             # a parent can only have finished if the child that got a token has
             if parent.reports_progress or req.is_finished:

@@ -19,8 +19,11 @@ planning the next one late instead of a whole step ahead).
 A guess that is too long (a step measured while another process held the cores) must not last:
 a StepWatcher thread waits on the device for the step in flight and wakes the loop when it ends,
 and the loop then plans at once; a step found ended when the host came for it ended no later than
-then, which lowers a longer guess. (Without a watcher the loop asks every POLL_S instead: on a
-machine whose cores also run the step, those wake-ups slow the step itself.)
+then, which lowers a longer guess. (A loop that asked every few milliseconds instead would, on a
+machine whose cores also run the step, slow the step itself.)
+
+Every time here is on the engine's clock (LLMEngine.clock): a test runs the loop's turns on a
+clock it advances itself and asserts the order of steps and arrivals, not wall-clock gaps.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 
 def size_class(num_tokens: int) -> int:
@@ -38,38 +42,52 @@ def size_class(num_tokens: int) -> int:
     return 1 << max(num_tokens - 1, 0).bit_length()
 
 
-class StepPacer:
-    POLL_S = 0.002  # without a StepWatcher: the longest the loop waits before asking again
+@dataclass
+class _Queued:
+    """A step dispatched and not collected: its size class, the earliest and latest time it may
+    have started on the device (None: not known yet), and when it was dispatched."""
 
-    def __init__(self, margin_s: float | None = None, host_factor: float = 2.0) -> None:
+    size: int
+    earliest: float | None
+    latest: float | None
+    dispatched: float
+
+
+class StepPacer:
+    def __init__(
+        self,
+        margin_s: float | None = None,
+        host_factor: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         # kept free before the expected end besides the host's own time; by default Python's
         # thread switch interval, the longest the waiting thread may wait for the interpreter
         # while another thread of the server (streaming outputs) holds it
         self.margin_s = sys.getswitchinterval() if margin_s is None else margin_s
         self.host_factor = host_factor  # the host's planning time counts this many times
+        self.clock = clock
         self._durations: dict[int, list[float]] = {}  # size class -> recent device times (s)
         self._host_s = 0.0  # recent planning + dispatch time of one step (s)
-        # steps dispatched and not collected, oldest first: [size class, earliest and latest time
-        # it may have started on the device (None: not known yet), when it was dispatched]
-        self._queue: deque[list] = deque()
+        self._queue: deque[_Queued] = deque()  # oldest first
 
     def dispatched(self, num_tokens: int, planning_started: float, now: float | None = None) -> None:
         """A step was planned (from `planning_started`) and dispatched (by `now`)."""
-        now = time.perf_counter() if now is None else now
+        now = self.clock() if now is None else now
         host = now - planning_started
         self._host_s = host if not self._host_s else 0.8 * self._host_s + 0.2 * host
         # with nothing ahead of it the device starts it now; else when the one ahead ends
         started = None if self._queue else now
-        self._queue.append([size_class(num_tokens), started, started, now])
+        self._queue.append(_Queued(size_class(num_tokens), started, started, now))
 
     def collected(self, waited: bool, now: float | None = None) -> None:
         """The oldest step's results are back. waited: it was still running when the host came for
         them, so it ended about now."""
         if not self._queue:  # (forgotten after a failed step)
             return
-        now = time.perf_counter() if now is None else now
-        size, earliest, latest, _ = self._queue.popleft()
-        recent = self._durations.setdefault(size, [])
+        now = self.clock() if now is None else now
+        step = self._queue.popleft()
+        earliest, latest = step.earliest, step.latest
+        recent = self._durations.setdefault(step.size, [])
         if waited:  # it ended now: the next one ran from now, or from its dispatch if that was later
             ended_from, ended_by = now, now
             if latest is not None and latest - earliest <= self.margin_s:  # its start is known
@@ -81,24 +99,35 @@ class StepPacer:
         del recent[:-4]
         if self._queue:
             following = self._queue[0]
-            following[1] = following[3] if ended_from is None else max(ended_from, following[3])
-            following[2] = max(ended_by, following[3])
+            at = following.dispatched
+            following.earliest = at if ended_from is None else max(ended_from, at)
+            following.latest = max(ended_by, at)
 
     def forget(self) -> None:
         """The steps in flight are gone (a failed step)."""
         self._queue.clear()
 
     def plan_at(self) -> float | None:
-        """When (time.perf_counter) to plan the next step, which will queue behind the last one
+        """When (on the clock) to plan the next step, which will queue behind the last one
         dispatched: shortly before that one is expected to end, reckoned from the earliest it may
         have started. None: now."""
         if not self._queue:
             return None
-        size, earliest, _, _ = self._queue[-1]
-        recent = self._durations.get(size)
-        if earliest is None or not recent:
+        last = self._queue[-1]
+        recent = self._durations.get(last.size)
+        if last.earliest is None or not recent:
             return None
-        return earliest + min(recent) - self.host_factor * self._host_s - self.margin_s
+        return last.earliest + min(recent) - self.host_factor * self._host_s - self.margin_s
+
+    def recent_durations(self, num_tokens: int) -> list[float]:
+        """The device times measured for the last steps of `num_tokens`' size class (up to four,
+        oldest first); the smallest is what the next one is expected to take."""
+        return list(self._durations.get(size_class(num_tokens), ()))
+
+    def expect(self, num_tokens: int, durations: list[float]) -> None:
+        """Take `durations` as the recent device times of steps of `num_tokens`' size class
+        (what a warm-up measured elsewhere, or a test's guess)."""
+        self._durations[size_class(num_tokens)] = list(durations[-4:])
 
 
 class StepWatcher:
@@ -112,11 +141,10 @@ class StepWatcher:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def watch(self, wait: Callable[[], object] | None) -> bool:
-        """Run `wait` (None: nothing to watch); whether the event will be set when it returns."""
+    def watch(self, wait: Callable[[], object] | None) -> None:
+        """Run `wait` (None: nothing to watch): the event is set when it returns."""
         if wait is not None:
             self._waits.put(wait)
-        return wait is not None
 
     def stop(self, timeout: float = 30.0) -> None:
         """End the thread once the wait it is in returns (a step in flight ends on its own). Joined:
@@ -131,3 +159,18 @@ class StepWatcher:
             except Exception:  # a failed step: the engine's thread reports it when it collects it
                 pass
             self._event.set()
+
+
+def take_turn(engine, watcher) -> tuple[list | None, float | None]:
+    """One turn of the thread that steps `engine` (an LLMEngine) for a server: step it if it is
+    time, and have `watcher` (a StepWatcher) wait for the step left in flight. Returns the step's
+    outputs (None: no step ran) and how long the thread may then wait for a wake-up (a request
+    arriving, the watcher seeing the step in flight end): None, until woken; 0, not at all."""
+    if not engine.has_unfinished_requests() or engine.is_sleeping:
+        return None, None
+    wait = engine.seconds_until_next_step()
+    if wait > 0:  # requests that come meanwhile join the next step
+        return None, wait
+    outputs = engine.step()
+    watcher.watch(engine.in_flight_waiter())
+    return outputs, 0.0

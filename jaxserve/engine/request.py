@@ -74,15 +74,15 @@ class Request:
         # next step is fed on the device before the host has them.
         self.num_output_placeholders = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache on first schedule
-        self.scheduled_time: float | None = None  # when it was first scheduled (time.monotonic)
+        self.scheduled_time: float | None = None  # when it was first scheduled (the engine's clock)
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING  # sets is_finished too
         self.stop_reason: int | str | None = None
         self.first_token_time: float | None = None
-        # Logit processing on the device: the slot's fixed contents (None: needs no slot),
-        # and the slot while the request runs.
+        # Logit processing on the device: the processor slot's fixed contents (None: needs
+        # none), and the slot while the request runs.
         self.logits_spec: LogitsSpec | None = None
-        self.slot = -1
+        self.processor_slot = -1
         self.sampling_row = None  # its last scheduler_output.SamplingRow, reused while unchanged
         self.bad_words: tuple[tuple[int, ...], ...] = ()  # multi-token bad words, as token ids
         # Structured outputs: the sequence's place in its grammar (structured_output.RequestGrammar)

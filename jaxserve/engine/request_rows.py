@@ -44,12 +44,12 @@ def prompt_logprob_targets(req: Request, start: int, end: int) -> tuple[int, ...
 
 
 def sampling_row(req: Request) -> SamplingRow:
-    """The request's row, built again only when its slot, banned tokens or grammar's activity
+    """The request's row, built again only when its processor slot, banned tokens or grammar's activity
     changed since its last step."""
     row = req.sampling_row
     if (
         row is not None
-        and row.slot == req.slot
+        and row.processor_slot == req.processor_slot
         and req.grammar is None
         and not req.bad_words
         and not req.sampling_params.min_tokens
@@ -59,7 +59,7 @@ def sampling_row(req: Request) -> SamplingRow:
     constrained = req.grammar is not None and req.grammar.active
     if (
         row is not None
-        and row.slot == req.slot
+        and row.processor_slot == req.processor_slot
         and row.banned_token_ids == banned
         and row.constrained == constrained
     ):
@@ -76,7 +76,7 @@ def sampling_row(req: Request) -> SamplingRow:
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty,
-        slot=req.slot,
+        processor_slot=req.processor_slot,
         logprobs=p.logprobs,
         constrained=constrained,
     )

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.block_manager import BlockManager, PrefixCacheStats
@@ -42,9 +42,9 @@ from jaxserve.engine.step_plan import Admission, InFlightStep, StepPlan
 from jaxserve.scheduler_output import (
     PLACEHOLDER_TOKEN,
     ModelRunnerOutput,
+    ProcessorSlotInit,
     ScheduledSeq,
     SchedulerOutput,
-    SlotInit,
 )
 
 
@@ -55,7 +55,9 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         num_lora_slots: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """clock: the engine's clock, the one requests' arrival times are on (seconds)."""
         if scheduler_config.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {scheduler_config.policy!r}.")
         if scheduler_config.preemption_mode != "recompute":
@@ -80,12 +82,12 @@ class Scheduler:
         self._chunk_cap = (
             scheduler_config.long_prefill_token_threshold if scheduler_config.enable_chunked_prefill else 0
         )
-        # Device slots for per-request logit processing (penalties, bias): one per running
+        # Processor slots: device rows for per-request logit processing (penalties, bias): one per running
         # request at most, so max_num_seqs of them never run out.
-        self._free_slots = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
+        self._free_processor_slots = list(range(scheduler_config.max_num_seqs - 1, -1, -1))
         self.lora_slots = LoRASlots(num_lora_slots) if num_lora_slots else None
         # scheduler_delay_factor: how long the last step that started prompts took
-        self.clock = time.monotonic  # the clock of requests' arrival times
+        self.clock = clock
         self._prompts_started_at: float | None = None
         self._prompt_step_s = 0.0
 
@@ -226,7 +228,7 @@ class Scheduler:
                 req.lora_slot = -1
                 return Admission.SKIP
         if not self.block_manager.allocate(req.request_id, num_cached + n, computed_blocks):
-            self._free_slot(req)
+            self._release_slots(req)
             return Admission.STOP
         self.waiting.pop(w)
         if req.status == RequestStatus.WAITING:  # its first time, not a preempted one's return
@@ -307,7 +309,7 @@ class Scheduler:
         cache, if its pages have not been evicted by then)."""
         self.running.remove(req)
         self.block_manager.free(req.request_id)
-        self._free_slot(req)
+        self._release_slots(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         if counted:
@@ -339,11 +341,11 @@ class Scheduler:
         if bm.enable_prefix_caching and hashable // bm.block_size > bm.num_hashed_pages(req.request_id):
             bm.cache_full_blocks(req.request_id, req.all_token_ids, hashable, self._cache_root(req))
         req.num_computed_tokens = end
-        slot_init = None
-        if req.logits_spec is not None and req.slot < 0:
-            req.slot = self._free_slots.pop()
-            slot_init = SlotInit(
-                req.slot, req.logits_spec, tuple(req.prompt_token_ids), tuple(req.output_token_ids)
+        processor_init = None
+        if req.logits_spec is not None and req.processor_slot < 0:
+            req.processor_slot = self._free_processor_slots.pop()
+            processor_init = ProcessorSlotInit(
+                req.processor_slot, req.logits_spec, tuple(req.prompt_token_ids), tuple(req.output_token_ids)
             )
         sampling = None
         if end == known + req.num_output_placeholders:
@@ -358,7 +360,7 @@ class Scheduler:
             start,
             bm.block_table(req.request_id),
             sampling,
-            slot_init,
+            processor_init,
             prompt_logprob_targets(req, start, end) if req.wants_prompt_logprobs else None,
             feed_from_row,
             req.lora_slot,
@@ -369,14 +371,14 @@ class Scheduler:
         lora = req.lora_request
         return None if lora is None else self.block_manager.root(lora.lora_int_id)
 
-    def _free_slot(self, req: Request) -> None:
-        """Give back the request's device slots: its logit-processing slot and its LoRA pin."""
+    def _release_slots(self, req: Request) -> None:
+        """Give back the request's device slots: its processor slot and its LoRA slot's pin."""
         if req.lora_slot >= 0:
             self.lora_slots.release(req.lora_slot)
             req.lora_slot = -1
-        if req.slot >= 0:
-            self._free_slots.append(req.slot)
-            req.slot = -1
+        if req.processor_slot >= 0:
+            self._free_processor_slots.append(req.processor_slot)
+            req.processor_slot = -1
 
     # ---- update --------------------------------------------------------------------------
 
@@ -385,7 +387,7 @@ class Scheduler:
         that received a token (finished ones included). Rows of requests that finished since
         schedule() (aborted, or stopped by the step before) are dropped; a request preempted
         since then keeps its token. Logprobs asked for are kept on the request as ranked rows."""
-        now = time.monotonic()
+        now = self.clock()
         # the requests as they were scheduled: one aborted since then is not a new one of the same id
         step = self._unreported.pop(id(scheduler_output), None)
         if step is not None and len(step.sampled) == len(runner_output.req_ids):
@@ -467,7 +469,7 @@ class Scheduler:
             self.waiting.remove(req)
         del self.requests[req.request_id]
         self.block_manager.free(req.request_id)
-        self._free_slot(req)
+        self._release_slots(req)
         req.status = status
 
     def reset_prefix_cache(self) -> bool:

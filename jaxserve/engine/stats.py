@@ -24,6 +24,22 @@ class SchedulerStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
 
+    @classmethod
+    def of(cls, scheduler) -> SchedulerStats:
+        """A snapshot of `scheduler` (an engine.Scheduler) now."""
+        prefix = scheduler.prefix_cache_stats
+        running_loras, waiting_loras = scheduler.lora_adapters()
+        return cls(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            kv_cache_usage=scheduler.kv_cache_usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=scheduler.num_preemptions,
+            running_lora_adapters=running_loras,
+            waiting_lora_adapters=waiting_loras,
+        )
+
 
 @dataclass(frozen=True)
 class FinishedRequestStats:
@@ -33,7 +49,7 @@ class FinishedRequestStats:
     num_generation_tokens: int
     # for request traces (engine/tracing.py) and the queue-time metric
     request_id: str = ""
-    arrival_time: float = 0.0  # time.monotonic()
+    arrival_time: float = 0.0  # on the engine's clock
     queue_time: float | None = None  # seconds from arrival until first scheduled (None: never)
     time_to_first_token: float | None = None  # seconds (None: no token came out)
     sampling_params: Any = None  # the request's SamplingParams

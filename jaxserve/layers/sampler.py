@@ -48,7 +48,7 @@ class SamplingArrays:
     presence: jax.Array  # [num_seqs] float32, 0 = off
     frequency: jax.Array  # [num_seqs] float32, 0 = off
     repetition: jax.Array  # [num_seqs] float32, 1 = off
-    slot: jax.Array  # [num_seqs] int32, the row's ProcessorState slot; -1 = none
+    processor_slot: jax.Array  # [num_seqs] int32, the row's ProcessorState row; -1 = none
 
 
 @jax.tree_util.register_dataclass
@@ -83,8 +83,8 @@ def process_logits(
     logits: jax.Array, params: SamplingArrays, state: ProcessorState | None
 ) -> jax.Array:  # [num_seqs, vocab] float32
     """Bias rows, the step's masked ids and the penalties, as the module docstring orders them."""
-    has_slot = params.slot >= 0
-    slot = jnp.where(has_slot, params.slot, 0)
+    has_slot = params.processor_slot >= 0
+    slot = jnp.where(has_slot, params.processor_slot, 0)
     if state is not None:
         logits = logits + jnp.where(has_slot[:, None], state.bias[slot], 0.0)
     rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], params.banned.shape)

@@ -156,9 +156,15 @@ class ModelRunner:
             kv_tokens / max_model_len,
         )
 
-    def _prepare(self, sched: SchedulerOutput, bucket: tuple[int, int]) -> batch_lib.BatchInputs:
+    def prepare(self, sched: SchedulerOutput, bucket: tuple[int, int]) -> batch_lib.BatchInputs:
         """The step's host arrays in this runner's layout, with the pool's current KV scales."""
         return self.layout.prepare(sched, bucket, self.kv_scales)
+
+    def step_args(self, inputs: batch_lib.BatchInputs) -> tuple:
+        """What the plain step program (steps.programs["step", StepVariant()]) is called with on
+        `inputs`: weights, KV pool, no processor state, the last sampled tokens, the inputs on
+        the devices. For a test or a tool that calls, traces or exports the step itself."""
+        return self.state, self.kv_pool, None, self._last_tokens, jax.device_put(inputs, self._replicated)
 
     def _compile(self, bucket: tuple[int, int], variant: StepVariant = StepVariant()):
         return self.steps.compile(bucket, variant)
@@ -211,6 +217,11 @@ class ModelRunner:
         """What sleep() let go of that wake_up() has not taken back: "weights", "kv_cache"."""
         gone = {"weights": self._off_device is not None, "kv_cache": self.kv_pool.is_deleted()}
         return tuple(tag for tag in sleep_mode.TAGS if gone[tag])
+
+    @property
+    def weights_on_host(self) -> int:
+        """Weight arrays kept in host memory while asleep (level 1: all; level 2: LoRA's only)."""
+        return 0 if self._off_device is None else len(self._off_device.saved)
 
     def sleep(self, level: int) -> int:
         """Free the weights (level 1: kept in host memory) and the KV pool on the devices; the
@@ -317,10 +328,10 @@ class ModelRunner:
                 fill_bitmask = None
         if self.channel is not None:
             self.channel.publish("dispatch", sched, None, bitmask)
-        inputs = self._prepare(sched, bucket)
+        inputs = self.prepare(sched, bucket)
         for s in sched.seqs:
-            if s.slot_init is not None:
-                self.processor_slots.fill(s.slot_init)
+            if s.processor_init is not None:
+                self.processor_slots.fill(s.processor_init)
         compiled = self._compile(bucket, variant)
         processors = self.processor_slots.state if variant.with_processor_state else None
         packed = batch_lib.PackedBatch.pack(inputs)

@@ -3,7 +3,7 @@ them, holding its prompt-token mask (repetition penalty), its output-token count
 frequency penalties) and its bias (logit_bias, allowed_token_ids).
 
 Where it sits: ModelRunner owns one. A request's row is written once, when the scheduler admits
-it to a slot (SlotInit: one transfer of three vocabulary-sized rows, never per step); the step
+it to a slot (ProcessorSlotInit: one transfer of three vocabulary-sized rows, never per step); the step
 variant with_processor_state takes the state (donated), counts the tokens it samples and hands it
 back (runner/step.py).
 """
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.layers.sampler import ProcessorState
-from jaxserve.scheduler_output import SlotInit
+from jaxserve.scheduler_output import ProcessorSlotInit
 
 
 class ProcessorSlots:
@@ -38,7 +38,7 @@ class ProcessorSlots:
             self.state = self._zeros()
         return self.state
 
-    def fill(self, init: SlotInit) -> None:
+    def fill(self, init: ProcessorSlotInit) -> None:
         """Write a request's mask, counts and bias into its slot."""
         vocab = self.vocab_size
         mask = np.zeros(vocab, bool)
@@ -50,7 +50,7 @@ class ProcessorSlots:
             bias[list(init.spec.allowed_token_ids)] = 0.0
         for token, value in init.spec.bias:
             bias[token] += value
-        self.state = self._write(self.current(), np.int32(init.slot), mask, counts[:vocab], bias)
+        self.state = self._write(self.current(), np.int32(init.processor_slot), mask, counts[:vocab], bias)
 
 
 def _write_slot(state: ProcessorState, slot, mask, counts, bias) -> ProcessorState:

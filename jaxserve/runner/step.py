@@ -156,7 +156,7 @@ def sample_step(
     k = num_top_logprobs if variant.with_top_logprobs else 0
     tokens, logprobs, top = sample(logits, inputs.sampling, processors, k)
     if processors is not None:
-        processors = count_sampled(processors, inputs.sampling.slot, tokens)
+        processors = count_sampled(processors, inputs.sampling.processor_slot, tokens)
     sampled = jnp.zeros_like(last_tokens).at[: tokens.shape[0]].set(tokens)
     return processors, sampled, StepResult(tokens, logprobs, top, None)
 

@@ -103,6 +103,12 @@ class GrammarCompiler:
         self._executor = None
         self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
 
+    @property
+    def num_cached(self) -> int:
+        """Distinct grammars compiled and kept (the most recently used _CACHE_SIZE)."""
+        with self._lock:
+            return len(self._cache)
+
     def _llguidance(self):
         """The llguidance tokenizer and mask executor, built on first use (a vocabulary scan of
         tens of milliseconds: no cost to an engine that never sees a constrained request)."""

@@ -110,11 +110,7 @@ def test_step_lowers_for_tpu_and_gpu_with_the_kernels(tmp_path, monkeypatch):
         ]  # the runner's own step, given the compiled kernel's name
         with jax.set_mesh(runner.mesh):
             exported = jax.export.export(step, platforms=[platform], disabled_checks=[triton])(
-                runner.state,
-                runner.kv_pool,
-                None,
-                runner._last_tokens,
-                jax.device_put(inputs, runner._replicated),
+                *runner.step_args(inputs)
             )
         # One attention call in the step (the layers are a scan over stacked weights): one
         # Mosaic kernel on TPU, the decode and prefill launches on GPU; nothing else custom.

@@ -1,13 +1,8 @@
 """Fixtures for the host-side engine tests: requests, a fake model, a step loop, tokenizers.
 
-Nothing here imports jax: the scheduler is driven by FakeModel, which stands in for the
-runner. FakeModel keeps its own paged "KV cache" (page, slot) -> token, writes the fed
-tokens where the page table says, and reads the whole context back through the page
-table before it samples. So a wrong page table, a page shared when it should not be, or
-a prefix-cache hit on the wrong page shows up as a context that differs from the
-request's tokens. The sampled token is a hash of that context, so a request's output
-depends only on its prompt: any schedule (chunked, preempted, cached, overlapped) must produce
-the same outputs.
+Nothing here imports jax: the scheduler is driven by FakeModel (tests/fakes.py), which stands in
+for the runner and whose outputs depend only on each request's prompt, so any schedule
+(chunked, preempted, cached, overlapped) must produce the same outputs.
 
 run_to_completion(overlap=True) drives the scheduler as the asynchronous engine does: step N+1
 is scheduled and run before step N's tokens are handed back, and FakeModel feeds a row's pending
@@ -19,61 +14,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-import numpy as np
 import pytest
-from fake_tokens import EOS, context_token
+from fakes import EOS, FakeModel
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler_output import PLACEHOLDER_TOKEN, ModelRunnerOutput, SchedulerOutput
-
-
-class FakeModel:
-    def __init__(self, scheduler: Scheduler, token_fn: Callable[[Request, list[int]], int] | None = None):
-        self.scheduler = scheduler
-        self.block_size = scheduler.block_manager.block_size
-        self.token_fn = token_fn or (lambda req, context: context_token(context))
-        self.kv: dict[tuple[int, int], int] = {}
-        self.seen: dict[str, Request] = {}  # a request aborted after schedule() still runs
-        self.last_sampled: dict[int, int] = {}  # row -> token sampled there, in the last call
-
-    def __call__(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        bs = self.block_size
-        req_ids, tokens, sampled = [], [], {}
-        for row, seq in enumerate(out.seqs):
-            req = self.scheduler.requests.get(seq.request_id) or self.seen[seq.request_id]
-            self.seen[seq.request_id] = req
-            end = seq.start_pos + seq.num_new
-            assert seq.num_new > 0
-            assert 0 not in seq.block_ids, "the null page must never be handed out"
-            assert len(seq.block_ids) * bs >= end
-            fed, expected = list(seq.token_ids), req.all_token_ids
-            if seq.feed_from_row >= 0:  # the token the last call sampled and the host lacks
-                assert fed[-1] == PLACEHOLDER_TOKEN and end == req.num_tokens + 1
-                fed[-1] = self.last_sampled[seq.feed_from_row]
-                expected = expected + [fed[-1]]
-            assert fed == expected[seq.start_pos : end]
-            for pos, token in enumerate(fed, start=seq.start_pos):
-                self.kv[(seq.block_ids[pos // bs], pos % bs)] = token
-            context = [self.kv.get((seq.block_ids[pos // bs], pos % bs)) for pos in range(end)]
-            assert context == expected[:end], f"{req} read a corrupted context"
-            if seq.sampling is not None:
-                assert end == len(expected)
-                assert seq.sampling.output_start == req.num_prompt_tokens
-                assert seq.sampling.seed == req.seed
-                req_ids.append(seq.request_id)
-                tokens.append(self.token_fn(req, context))
-                sampled[row] = tokens[-1]
-            else:
-                assert end < len(expected)
-        self.last_sampled = sampled
-        return ModelRunnerOutput(
-            req_ids=tuple(req_ids),
-            sampled_token_ids=np.asarray(tokens, np.int32),
-            logprobs=np.full(len(tokens), -0.5, np.float32),
-        )
+from jaxserve.scheduler_output import SchedulerOutput
 
 
 def check_accounting(scheduler: Scheduler) -> None:

@@ -1,6 +1,6 @@
 """The scheduler planning step N+1 before step N's tokens are back (asynchronous scheduling).
 
-Driven by FakeModel (conftest.py), which feeds a row's pending token from its own previous answer
+Driven by FakeModel (tests/fakes.py), which feeds a row's pending token from its own previous answer
 as the device does, and checks every row's context through the page table: a pending token fed
 to the wrong row, a page cached before its tokens are known, or a page freed while still needed
 shows up as a corrupted context. Whatever the overlap, every request must end with the tokens,
@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from fake_tokens import EOS, context_token
+from fakes import EOS, context_token
 
 from jaxserve.engine.request import RequestStatus
 from jaxserve.scheduler_output import PLACEHOLDER_TOKEN

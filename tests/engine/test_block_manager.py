@@ -172,9 +172,9 @@ def test_a_page_cached_under_another_prefix_is_never_a_hit(monkeypatch):
 
 def test_sha256_is_the_default_and_chains_the_prefix():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
-    assert bm._hash_fn is block_manager._HASH_FNS["sha256"]
-    first = block_manager.page_hashes(tokens(8), 4, hash_fn=bm._hash_fn)
-    moved = block_manager.page_hashes(tokens(4, 9) + tokens(4, 4), 4, hash_fn=bm._hash_fn)
+    assert bm.hash_fn is block_manager._HASH_FNS["sha256"]
+    first = block_manager.page_hashes(tokens(8), 4, hash_fn=bm.hash_fn)
+    moved = block_manager.page_hashes(tokens(4, 9) + tokens(4, 4), 4, hash_fn=bm.hash_fn)
     assert len(first[0]) == 32 and first[1] != moved[1]  # same page, other parent: other hash
 
 

@@ -8,78 +8,16 @@ only its own requests, an abort frees everything. No JAX step is compiled here.
 
 from __future__ import annotations
 
-import types
-
-import numpy as np
 import pytest
-from tiny_models import engine_kwargs
+from fakes import fake_engine
 
 from jaxserve import SamplingParams
-from jaxserve.args import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput, TopLogprobs
-
-
-class FakeRunner:
-    """ModelRunner's interface without a device. Each sampled token is the row's last token + 1
-    (mod the vocabulary), with logprob -(1 + seed % 5) / 10, so children of one request differ in
-    cumulative logprob by their seeds."""
-
-    def __init__(self, num_blocks: int, vocab_size: int):
-        self.num_blocks = num_blocks
-        self.args = types.SimpleNamespace(vocab_size=vocab_size)
-        self.ready_token_budget = None  # the scheduler's own budget
-        self.kv_pool_lost = False
-        self.fail_next = 0  # steps to fail from now on
-        self.steps: list[SchedulerOutput] = []
-        self.last_tokens: list[int] = []  # each row's sampled token in the last step
-
-    def dispatch(self, sched: SchedulerOutput, fill_bitmask=None) -> ModelRunnerOutput:
-        """Answers at once; the handle is the answer. A token the host does not have yet is read
-        from the previous step's rows, as the device does."""
-        self.steps.append(sched)
-        if self.fail_next:
-            self.fail_next -= 1
-            raise RuntimeError("the device is on fire")
-        fed = [
-            self.last_tokens[s.feed_from_row] if s.feed_from_row >= 0 else s.token_ids[-1] for s in sched.seqs
-        ]
-        assert all(t >= 0 for t in fed)
-        self.last_tokens = [(t + 1) % self.args.vocab_size for t in fed]
-        rows = [i for i, s in enumerate(sched.seqs) if s.sampling is not None]
-        tokens = np.array([self.last_tokens[i] for i in rows], np.int32)
-        logprobs = np.array([-(1 + sched.seqs[i].sampling.seed % 5) / 10 for i in rows], np.float32)
-        top = None
-        if any(
-            sched.seqs[i].sampling.logprobs is not None for i in rows
-        ):  # the sampled token is the likeliest
-            top = TopLogprobs(
-                ids=tokens[:, None], logprobs=logprobs[:, None], chosen_logprobs=logprobs,
-                chosen_ranks=np.ones(len(rows), np.int32),
-            )  # fmt: skip
-        return ModelRunnerOutput(
-            req_ids=tuple(sched.seqs[i].request_id for i in rows),
-            sampled_token_ids=tokens,
-            logprobs=logprobs,
-            top_logprobs=top,
-        )
-
-    def collect(self, handle: ModelRunnerOutput) -> ModelRunnerOutput:
-        return handle
-
-    def reset_kv_pool(self) -> None:
-        self.kv_pool_lost = False
 
 
 @pytest.fixture(params=[True, False], ids=["async", "sync"])
 def engine(tiny_llama_gqa, request):
-    kwargs = engine_kwargs(max_num_seqs=4, num_gpu_blocks_override=32)
-    kwargs.pop("compilation_config")
-    config = EngineArgs(
-        model=tiny_llama_gqa[0], async_scheduling=request.param, **kwargs
-    ).create_engine_config()
-    runner = FakeRunner(config.cache_config.num_gpu_blocks_override, config.model_config.get("vocab_size"))
-    return LLMEngine(config, runner=runner)
+    return fake_engine(tiny_llama_gqa[0], async_scheduling=request.param)
 
 
 def _run(engine: LLMEngine, max_steps: int = 200) -> dict[str, object]:
@@ -188,7 +126,9 @@ def test_an_abort_frees_the_request_and_is_counted_with_the_next_step(engine):
 def test_bad_requests_are_refused_before_anything_is_queued(engine):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request("x", {"prompt_token_ids": [1, 2]}, SamplingParams(logit_bias={10**6: 1.0}))
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(
+        ValueError, match="maximum context length is 256 tokens. However, your request has 10000 input tokens"
+    ):
         engine.add_request("y", {"prompt_token_ids": [1] * 10_000}, SamplingParams())
     assert not engine.has_unfinished_requests() and engine.runner.steps == []
 
@@ -210,3 +150,26 @@ def test_final_only_requests_report_nothing_until_they_finish(engine):
     assert seen == {"final": [5], "each": [1, 2, 3, 4, 5]}
     with pytest.raises(ValueError, match="DELTA"):
         SamplingParams(output_kind=RequestOutputKind.DELTA)
+
+
+async def test_an_id_still_live_on_the_engine_fails_only_its_new_request(tiny_llama_gqa):
+    """The server's table of streams is the first check of a request id; should the engine's
+    thread still hold a request of that id, the new one fails alone and the engine goes on."""
+    from jaxserve.engine.async_engine import AsyncLLMEngine
+
+    engine = fake_engine(tiny_llama_gqa[0], async_scheduling=True)
+    long = SamplingParams(max_tokens=30, ignore_eos=True)
+    engine.add_request("x", {"prompt_token_ids": [5, 6, 7]}, long)  # not through the server
+    server = AsyncLLMEngine(engine)
+    server.start()
+    try:
+        with pytest.raises(ValueError, match="already in use"):
+            async for _ in server.generate({"prompt_token_ids": [8]}, SamplingParams(max_tokens=2), "x"):
+                pass
+        outputs = [
+            o async for o in server.generate({"prompt_token_ids": [8]}, SamplingParams(max_tokens=2), "y")
+        ]
+        assert outputs[-1].finished and list(outputs[-1].outputs[0].token_ids) == [9, 10]
+        assert server.dead_error is None
+    finally:
+        server.shutdown()

@@ -209,7 +209,7 @@ def test_mixed_workload_compiles_nothing_after_startup(tiny_llama_gqa, prompts, 
 
 def test_bad_requests_are_refused_without_harm(tiny_llama_gqa, prompts):
     llm = LLM(tiny_llama_gqa[0], **engine_kwargs())
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match="maximum context length is 256 tokens"):
         llm.generate({"prompt_token_ids": [5] * 300}, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="logprobs of 21, which is greater than max allowed: 20"):
         llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(logprobs=21), use_tqdm=False)

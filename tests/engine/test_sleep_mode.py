@@ -69,7 +69,7 @@ def test_sleeping_twice_and_waking_twice(llm):
     want = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     llm.sleep(1)
     llm.sleep(2)  # drops the host copy: waking reads the checkpoint
-    assert llm.llm_engine.runner._off_device.saved == {}
+    assert llm.llm_engine.runner.weights_on_host == 0
     llm.wake_up()
     llm.wake_up()
     assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want

@@ -242,9 +242,9 @@ def test_compiled_grammars_are_cached_and_bad_ones_refused(llm):
     compiler = llm.llm_engine.grammars
     params = S(json={"type": "object", "properties": {"q": {"type": "integer"}}})
     compiler.compile(params)
-    size = len(compiler._cache)
+    size = compiler.num_cached
     compiler.compile(S(json={"type": "object", "properties": {"q": {"type": "integer"}}}))
-    assert len(compiler._cache) == size
+    assert compiler.num_cached == size
     for bad, words in [
         (S(regex="a(b"), "unclosed group"),
         (S(json={"type": "objec"}), "objec"),

@@ -29,7 +29,7 @@ def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, steps=No
         presence=jnp.zeros(n, jnp.float32),
         frequency=jnp.zeros(n, jnp.float32),
         repetition=jnp.ones(n, jnp.float32),
-        slot=jnp.full(n, -1, jnp.int32),
+        processor_slot=jnp.full(n, -1, jnp.int32),
     )
 
 
@@ -158,7 +158,7 @@ def test_slots_bias_penalise_and_count_only_their_own_rows(logits):
     params = dataclasses.replace(
         rows(3, temperature=0.0),
         frequency=jnp.asarray([0.0, 0.0, 100.0]),
-        slot=jnp.asarray([1, -1, 0], jnp.int32),
+        processor_slot=jnp.asarray([1, -1, 0], jnp.int32),
     )
     tokens, logprobs, _ = jax.jit(sample)(jnp.tile(jnp.asarray(logits), (3, 1)), params, state)
     tokens = np.asarray(tokens)

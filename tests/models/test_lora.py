@@ -86,7 +86,7 @@ def test_a_batch_mixing_adapters_gives_each_row_what_it_gives_alone(adapters):
         pages = tuple(range(first, first + -(-len(ids) // runner.page_size)))
         first += len(pages)
         seqs.append(ScheduledSeq(f"r{i}", tuple(ids), 0, pages, GREEDY, lora_slot=slot))
-    inputs = runner._prepare(SchedulerOutput(tuple(seqs)), (64, 4))
+    inputs = runner.prepare(SchedulerOutput(tuple(seqs)), (64, 4))
     from reference_checks import _forward
 
     mixed = np.asarray(_forward(runner.graphdef, runner.state, runner.kv_pool, jax.device_put(inputs)))

@@ -27,7 +27,7 @@ SAMPLED = SamplingRow(
     presence_penalty=0.5,
     frequency_penalty=0.25,
     repetition_penalty=1.1,
-    slot=2,
+    processor_slot=2,
 )
 GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, output_start=6)
 
@@ -85,7 +85,7 @@ def test_sampling_rows_and_their_neutral_padding():
     np.testing.assert_array_equal(s.presence, np.float32([0, 0.5, 0, 0]))
     np.testing.assert_array_equal(s.frequency, np.float32([0, 0.25, 0, 0]))
     np.testing.assert_array_equal(s.repetition, np.float32([1, 1.1, 1, 1]))
-    np.testing.assert_array_equal(s.slot, [-1, 2, -1, -1])
+    np.testing.assert_array_equal(s.processor_slot, [-1, 2, -1, -1])
     assert s.banned.shape == (4, MAX_BANNED_TOKENS)
     assert s.banned[1].tolist() == _pad([4, 9], MAX_BANNED_TOKENS, -1)
     assert (np.delete(s.banned, 1, axis=0) == -1).all()

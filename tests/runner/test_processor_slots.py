@@ -7,7 +7,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.runner.processor_slots import ProcessorSlots
-from jaxserve.scheduler_output import LogitsSpec, SlotInit
+from jaxserve.scheduler_output import LogitsSpec, ProcessorSlotInit
 
 VOCAB = 16
 
@@ -28,9 +28,9 @@ def test_rows_are_allocated_on_first_use_as_zeros():
 
 def test_a_filled_slot_holds_its_mask_counts_and_bias_and_leaves_the_others():
     slots = _slots()
-    slots.fill(SlotInit(0, LogitsSpec(bias=((3, 2.5), (5, -1.0))), (1, 2, 2), ()))
+    slots.fill(ProcessorSlotInit(0, LogitsSpec(bias=((3, 2.5), (5, -1.0))), (1, 2, 2), ()))
     spec = LogitsSpec(bias=((7, 1.5), (7, 1.0)), allowed_token_ids=(4, 7, 9))
-    slots.fill(SlotInit(2, spec, (9,), (4, 4, 7)))  # a resumed request: its outputs are counted
+    slots.fill(ProcessorSlotInit(2, spec, (9,), (4, 4, 7)))  # a resumed request: its outputs are counted
     state = jax.tree.map(np.asarray, slots.current())
 
     mask = np.zeros((3, VOCAB), bool)
@@ -49,8 +49,8 @@ def test_a_filled_slot_holds_its_mask_counts_and_bias_and_leaves_the_others():
 
 def test_refilling_a_slot_replaces_the_previous_request_s_rows():
     slots = _slots()
-    slots.fill(SlotInit(1, LogitsSpec(allowed_token_ids=(0,)), (5, 6), (5,)))
-    slots.fill(SlotInit(1, LogitsSpec(), (2,), ()))
+    slots.fill(ProcessorSlotInit(1, LogitsSpec(allowed_token_ids=(0,)), (5, 6), (5,)))
+    slots.fill(ProcessorSlotInit(1, LogitsSpec(), (2,), ()))
     state = jax.tree.map(np.asarray, slots.current())
     assert state.prompt_mask[1].nonzero()[0].tolist() == [2]
     assert not state.output_counts[1].any() and not state.bias[1].any()

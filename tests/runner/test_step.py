@@ -36,7 +36,7 @@ def test_a_batch_needs_what_some_row_asks_for():
     plain = SchedulerOutput((seq(GREEDY), seq(None)))
     assert StepVariant.for_batch(plain) == StepVariant()
     mixed = SchedulerOutput(
-        (seq(GREEDY), seq(SamplingRow(0.5, 0, 1.0, 0.0, 1, 0, slot=3)), seq(None, targets=(6,)))
+        (seq(GREEDY), seq(SamplingRow(0.5, 0, 1.0, 0.0, 1, 0, processor_slot=3)), seq(None, targets=(6,)))
     )
     assert StepVariant.for_batch(mixed) == StepVariant(with_processor_state=True, with_prompt_logprobs=True)
     logprobs = SchedulerOutput((seq(SamplingRow(0.0, 0, 1.0, 0.0, 0, 0, logprobs=0)),))
@@ -67,11 +67,11 @@ def test_one_jitted_step_traced_for_two_backends_runs_each_ones_kernel(tiny_llam
             sched, 16, 2, runner.page_size, runner.pages_per_seq, runner.pad_slot, backend
         )
         assert prepared.meta.backend == backend
-        return jax.device_put(prepared, runner._replicated)
+        return prepared
 
     results = {}
     for backend in ("reference", "gpu-interpret"):
-        args = (runner.state, runner.kv_pool, None, runner._last_tokens, inputs(backend))
+        args = runner.step_args(inputs(backend))
         kernel_calls = str(step.trace(*args).jaxpr).count("pallas_call")  # GPU: a decode and a prefill launch
         assert (kernel_calls > 0) == (backend != "reference"), (backend, kernel_calls)
         runner.kv_pool, _, _, result = step(*args)  # the pool is donated: the next call reads the new one

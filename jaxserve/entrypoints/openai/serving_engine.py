@@ -73,13 +73,8 @@ class OpenAIServing:
     def max_tokens(self, requested: int | None, prompt_len: int) -> int:
         """The request's max_tokens, checked against the context length like vLLM does."""
         limit = self.max_model_len
-        if prompt_len >= limit:
-            raise ValueError(
-                f"This model's maximum context length is {limit} tokens. However, your request has "
-                f"{prompt_len} input tokens. Please reduce the length of the input messages."
-            )
+        room = self.model_config.room_after(prompt_len)
         if requested is None:
-            room = limit - prompt_len
             default = self.sampling_defaults.get("max_tokens")
             return room if default is None else min(room, default)
         if prompt_len + requested > limit:
