@@ -214,7 +214,7 @@ def test_chat_ends_with_exit_0_on_eof_and_survives_a_too_long_turn(model_dir, mo
     ]
     assert main(argv) == 0
     captured = capsys.readouterr()
-    assert "jaxserve: error:" in captured.err and "max_model_len" in captured.err
+    assert "jaxserve: error:" in captured.err and "maximum context length is 128 tokens" in captured.err
     assert len(captured.out.splitlines()) >= 1  # the second turn was answered
 
 
