@@ -239,9 +239,6 @@ class TimedRunner(FakeRunner):
         self.clock.sleep_until(step.end)
         return step.answer
 
-    def running_at(self, t: float) -> DeviceStep | None:
-        return next((s for s in reversed(self.timeline) if s.start <= t < s.end), None)
-
     def gaps(self) -> list[float]:
         """How long the device idled between consecutive steps."""
         return [b.start - a.end for a, b in zip(self.timeline, self.timeline[1:])]
