@@ -8,6 +8,8 @@ only its own requests, an abort frees everything. No JAX step is compiled here.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from fakes import fake_engine
 
@@ -161,11 +163,17 @@ async def test_an_id_still_live_on_the_engine_fails_only_its_new_request(tiny_ll
     long = SamplingParams(max_tokens=30, ignore_eos=True)
     engine.add_request("x", {"prompt_token_ids": [5, 6, 7]}, long)  # not through the server
     server = AsyncLLMEngine(engine)
+
+    async def same_id():
+        async for _ in server.generate({"prompt_token_ids": [8]}, SamplingParams(max_tokens=2), "x"):
+            pass
+
+    second = asyncio.create_task(same_id())
+    await asyncio.sleep(0)  # queued before the thread starts: its first turn reads it, "x" not yet run
     server.start()
     try:
         with pytest.raises(ValueError, match="already in use"):
-            async for _ in server.generate({"prompt_token_ids": [8]}, SamplingParams(max_tokens=2), "x"):
-                pass
+            await second
         outputs = [
             o async for o in server.generate({"prompt_token_ids": [8]}, SamplingParams(max_tokens=2), "y")
         ]
