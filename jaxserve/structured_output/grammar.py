@@ -41,15 +41,17 @@ def check_backend(backend: str | None, where: str) -> None:
     raise ValueError(f"{where} {backend!r} is not a structured-outputs backend; use 'guidance' or 'auto'.")
 
 
-def _close_objects(schema: Any) -> Any:
+def close_objects(schema: Any, declared_only: bool = False) -> Any:
     """The schema with `additionalProperties: false` on every object that does not say
-    (--guided-decoding-disable-additional-properties)."""
+    (--guided-decoding-disable-additional-properties); with `declared_only`, only on objects
+    that list their properties (a free-form `{"type": "object"}` stays free)."""
     if isinstance(schema, list):
-        return [_close_objects(s) for s in schema]
+        return [close_objects(s, declared_only) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _close_objects(v) for k, v in schema.items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+    out = {k: close_objects(v, declared_only) for k, v in schema.items()}
+    listed = "properties" in out or (out.get("type") == "object" and not declared_only)
+    if listed and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
 
@@ -147,7 +149,7 @@ class GrammarCompiler:
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema must be an object.")
             if self.config.disable_additional_properties or params.disable_additional_properties:
-                schema = _close_objects(schema)
+                schema = close_objects(schema)
             options: dict[str, Any] = {
                 "whitespace_flexible": not (
                     self.config.disable_any_whitespace or params.disable_any_whitespace

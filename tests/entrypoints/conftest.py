@@ -7,6 +7,7 @@ over the shared LLMEngine; the thread stops when the test ends.
 
 from __future__ import annotations
 
+import openai
 import pytest
 from aiohttp import ClientSession
 from aiohttp.test_utils import TestServer
@@ -81,3 +82,20 @@ async def http(server):
     """(session, base url) of the default server."""
     async with ClientSession() as session:
         yield session, str(server.make_url("/"))
+
+
+@pytest.fixture
+async def sdk(make_server):
+    """An OpenAI SDK client of a server made with `make_server(**server_args)` (closed at the end)."""
+    clients = []
+
+    async def connect(**server_args) -> openai.AsyncOpenAI:
+        server = await make_server(**server_args)
+        clients.append(
+            openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="unused", max_retries=0)
+        )
+        return clients[-1]
+
+    yield connect
+    for c in clients:
+        await c.close()

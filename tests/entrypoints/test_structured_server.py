@@ -59,23 +59,6 @@ class Pet(BaseModel):
 PET_SCHEMA = {**Pet.model_json_schema(), "additionalProperties": False}  # as strict mode sends it
 
 
-@pytest.fixture
-async def sdk(make_server):
-    """An OpenAI SDK client of a server made with `make_server(**server_args)` (closed at the end)."""
-    clients = []
-
-    async def connect(**server_args) -> openai.AsyncOpenAI:
-        server = await make_server(**server_args)
-        clients.append(
-            openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="unused", max_retries=0)
-        )
-        return clients[-1]
-
-    yield connect
-    for c in clients:
-        await c.close()
-
-
 async def test_openai_sdk_parse_returns_the_pydantic_model(sdk):
     c = await sdk()
     for seed in range(4):
@@ -194,13 +177,16 @@ async def test_named_tool_choice_streams_name_first_then_arguments(sdk):
     assert args == whole.message.tool_calls[0].function.arguments
 
 
-async def test_auto_tool_choice_parses_the_models_own_format(sdk):
+@pytest.mark.parametrize("parallel", [None, False])
+async def test_auto_tool_choice_parses_the_models_own_format(sdk, parallel):
     """With --enable-auto-tool-choice and the hermes parser, a reply in Qwen's format (forced
-    here by a regex, since the tiny model never learned it) comes back as tool calls."""
+    here by a regex, since the tiny model never learned it) comes back as tool calls; with
+    parallel_tool_calls false, only the first of two."""
     c = await sdk(enable_auto_tool_choice=True, tool_call_parser="hermes")
     regex = '<tool_call>\n\\{"name": "get_time", "arguments": \\{"zone": "(UTC|CET)"\\}\\}\n</tool_call>'
-    kwargs = dict(model=MODEL, messages=USER, tools=[WEATHER, TIME], temperature=1.0, seed=2, max_tokens=120,
-                  extra_body={"structured_outputs": {"regex": regex}})  # fmt: skip
+    regex += "" if parallel is None else "\n" + regex.replace("get_time", "get_weather").replace("zone", "city")
+    kwargs = dict(model=MODEL, messages=USER, tools=[WEATHER, TIME], temperature=1.0, seed=2, max_tokens=200,
+                  parallel_tool_calls=parallel, extra_body={"structured_outputs": {"regex": regex}})  # fmt: skip
     whole = (await c.chat.completions.create(**kwargs)).choices[0]
     assert whole.finish_reason == "tool_calls" and whole.message.content is None
     [call] = whole.message.tool_calls

@@ -16,7 +16,7 @@ import os
 import re
 from typing import Any
 
-from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeChatRequest
+from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, TokenizeChatRequest
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -48,7 +48,13 @@ def detect_content_format(template: str | None) -> str:
     return "openai" if template and _LOOPS_OVER_CONTENT.search(template) else "string"
 
 
-def _text_parts(content: list[dict[str, Any]]) -> list[str]:
+def _texts(content: str | list[dict[str, Any]] | None) -> list[str]:
+    """A message's text, whatever shape the client sent it in: no content (an assistant turn
+    that only calls tools) is no text; a string is one; a list holds OpenAI's text parts."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
     texts = []
     for part in content:
         kind = part.get("type")
@@ -58,46 +64,50 @@ def _text_parts(content: list[dict[str, Any]]) -> list[str]:
     return texts
 
 
-def _template_tool_calls(tool_calls: Any) -> Any:
+def _template_tool_calls(tool_calls: list) -> list:
     """An assistant message's tool calls with each call's arguments as the object the templates
-    read (`arguments | tojson`, or a loop over them), where the client sent it as a JSON string."""
-    if not isinstance(tool_calls, list):
-        return tool_calls
+    read (`arguments | tojson`, or a loop over them), where the client sent it as a JSON string;
+    no arguments at all read as an empty object."""
     calls = []
     for call in tool_calls:
         function = call.get("function") if isinstance(call, dict) else None
-        arguments = function.get("arguments") if isinstance(function, dict) else None
-        if isinstance(arguments, str):
-            try:
-                parsed = json.loads(arguments)
-            except ValueError:
-                parsed = None
-            if isinstance(parsed, dict):
-                call = {**call, "function": {**function, "arguments": parsed}}
+        if isinstance(function, dict):
+            arguments = function.get("arguments")
+            if not arguments:
+                call = {**call, "function": {**function, "arguments": {}}}
+            elif isinstance(arguments, str):
+                try:
+                    parsed = json.loads(arguments)
+                except ValueError:
+                    parsed = None
+                if isinstance(parsed, dict):
+                    call = {**call, "function": {**function, "arguments": parsed}}
         calls.append(call)
     return calls
 
 
-def _conversation(body: ChatCompletionRequest | TokenizeChatRequest, content_format: str) -> list[dict]:
-    """The messages with their content in the shape the template reads: clients send either
-    a string or a list of text parts, and a template written for one breaks on the other.
-    Tool calls' arguments come as JSON text and go to the template as objects; "tool" messages
-    (content and tool_call_id) pass as they are."""
-    conversation = []
-    for m in body.messages:
-        message = m.model_dump(exclude_none=True)
-        if "tool_calls" in message:
-            message["tool_calls"] = _template_tool_calls(message["tool_calls"])
-        if isinstance(m.content, list):
-            texts = _text_parts(m.content)
-            if content_format == "string":
-                message["content"] = "\n".join(texts)
-            else:
-                message["content"] = [{"type": "text", "text": t} for t in texts]
-        elif isinstance(m.content, str) and content_format == "openai":
-            message["content"] = [{"type": "text", "text": m.content}]
-        conversation.append(message)
-    return conversation
+def _template_message(m: ChatMessage, content_format: str) -> dict[str, Any]:
+    """One message as vLLM hands it to a template: content always present (a string, or a list
+    of text parts for templates that loop over parts; empty when the client sent none), an
+    assistant's `tool_calls` (arguments as objects) and reasoning (under both names templates
+    read), a tool result's `tool_call_id`, and `name`. Other fields stay out of the prompt."""
+    texts = _texts(m.content)
+    content: str | list = (
+        "\n".join(texts) if content_format == "string" else [{"type": "text", "text": t} for t in texts]
+    )
+    message: dict[str, Any] = {"role": m.role, "content": content}
+    extra = m.model_extra or {}
+    if m.role == "assistant":
+        if isinstance(extra.get("tool_calls"), list):
+            message["tool_calls"] = _template_tool_calls(extra["tool_calls"])
+        reasoning = extra.get("reasoning") or extra.get("reasoning_content")
+        if isinstance(reasoning, str):
+            message["reasoning"] = message["reasoning_content"] = reasoning
+    elif m.role == "tool" and extra.get("tool_call_id") is not None:
+        message["tool_call_id"] = extra["tool_call_id"]
+    if isinstance(m.name, str):
+        message["name"] = m.name
+    return message
 
 
 def render_chat_prompt(
@@ -116,7 +126,7 @@ def render_chat_prompt(
         )
     if content_format == "auto":
         content_format = detect_content_format(template)
-    conversation = _conversation(body, content_format)
+    conversation = [_template_message(m, content_format) for m in body.messages]
     kwargs = dict(body.chat_template_kwargs or {})
     if getattr(body, "tools", None):
         kwargs["tools"] = body.tools

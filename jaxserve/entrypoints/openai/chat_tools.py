@@ -24,6 +24,7 @@ from jaxserve.entrypoints.openai.tool_parsers.base import (
     skip_ws,
 )
 from jaxserve.sampling_params import StructuredOutputsParams
+from jaxserve.structured_output.grammar import close_objects
 
 _ANY_OBJECT = {"type": "object"}
 
@@ -80,13 +81,21 @@ def tool_choice_mode(body: ChatCompletionRequest, auto_parser: str | None) -> tu
     return choice, None
 
 
+# Between a forced call's JSON tokens: one optional space. It admits the compact form and the
+# one json.dumps writes (what models are trained to call tools with), and no more: with JSON's
+# free whitespace a small model at temperature 1 can spend its whole max_tokens on newlines
+# without closing the call (vLLM's grammars allow that).
+CALL_WHITESPACE = " ?"
+
+
 def tool_constraint(
     body: ChatCompletionRequest, mode: str, name: str | None
 ) -> StructuredOutputsParams | None:
     """The grammar that makes the reply a valid call: a named function's arguments, or for
     "required" an array of calls (one at most when parallel_tool_calls is false)."""
-    functions = _functions(body)
-    whitespace = {"whitespace_pattern": body.guided_whitespace_pattern}
+    functions = {fn: close_objects(params, declared_only=True) for fn, params in _functions(body).items()}
+    pattern = body.guided_whitespace_pattern
+    whitespace = {"whitespace_pattern": CALL_WHITESPACE if pattern is None else pattern}
     if mode == "named":
         return StructuredOutputsParams(json=functions[name], **whitespace)
     if mode != "required":
@@ -134,14 +143,33 @@ class RequiredToolParser(ToolParser):
         return ParsedText("", calls)
 
 
+class FirstCallOnly(ToolParser):
+    """parallel_tool_calls false under "auto": the first call the model's parser finds and no
+    other (the grammar of "required" allows one call only; a named function is one call)."""
+
+    def __init__(self, parser: ToolParser):
+        super().__init__(parser.tokenizer)
+        self.parser = parser
+        self.keeps_special_tokens = parser.keeps_special_tokens
+        self.tool_call_id_kind = parser.tool_call_id_kind
+
+    def parse(self, text: str, final: bool) -> ParsedText:
+        parsed = self.parser.parse(text, final)
+        return ParsedText(parsed.content, parsed.calls[:1])
+
+
 def reply_tool_parser(
-    mode: str, name: str | None, auto_parser: str | None, tokenizer: Any
+    mode: str, name: str | None, server_parser: str | None, tokenizer: Any, parallel: bool = True
 ) -> ToolParser | None:
-    """What finds the calls in the reply of a request in `mode`."""
-    if mode == "named":
-        return NamedToolParser(name)
-    if mode == "required":
-        return RequiredToolParser(None)
+    """What finds the calls in the reply of a request in `mode`. server_parser: --tool-call-parser
+    (the model's own format); a forced call takes its ids from it too, since the model's template
+    reads them back on the next turn (Mistral's accepts only 9 alphanumerics)."""
     if mode == "auto":
-        return get_tool_parser(auto_parser)(tokenizer)
-    return None
+        parser = get_tool_parser(server_parser)(tokenizer)
+        return parser if parallel else FirstCallOnly(parser)
+    if mode not in ("named", "required"):
+        return None
+    parser = NamedToolParser(name) if mode == "named" else RequiredToolParser(None)
+    if server_parser is not None:
+        parser.tool_call_id_kind = get_tool_parser(server_parser).tool_call_id_kind
+    return parser

@@ -327,6 +327,7 @@ class TokenizeCompletionRequest(OpenAIBaseModel):
 class TokenizeChatRequest(OpenAIBaseModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None  # the template renders them, as for the chat request
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False

@@ -52,7 +52,9 @@ class OpenAIServingChat(OpenAIServing):
         body.check_logprobs()
         body.check_messages()
         mode, function = tool_choice_mode(body, self.auto_tool_parser)
-        tools = reply_tool_parser(mode, function, self.auto_tool_parser, self.tokenizer)
+        tools = reply_tool_parser(
+            mode, function, self.args.tool_call_parser, self.tokenizer, body.parallel_tool_calls is not False
+        )
         field = "tool_choice" if mode in ("named", "required") else structured_outputs_field(body)
         if mode in ("named", "required") and structured_outputs_field(body) is not None:
             raise bad_request("tool_choice 'required' or a named function cannot be combined with another "
