@@ -32,6 +32,15 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def add(self, later: CompletionOutput) -> None:
+        """Append a later delta of the same sample (output_kind DELTA)."""
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        if later.logprobs is not None:
+            self.logprobs = [*(self.logprobs or []), *later.logprobs]
+        self.cumulative_logprob = later.cumulative_logprob
+        self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+
 
 @dataclass
 class RequestOutput:
@@ -44,3 +53,18 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
     error: str | None = None  # set when the engine failed while running the request
+
+    def add(self, later: RequestOutput) -> None:
+        """Merge a later delta of the same request into this one (output_kind DELTA): what a
+        reader that fell behind gets, as one output, instead of every step's."""
+        mine = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            if c.index in mine:
+                mine[c.index].add(c)
+            else:
+                self.outputs.append(c)
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.error = later.error
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs

@@ -18,11 +18,12 @@ _GREEDY_EPS = 1e-5
 
 class RequestOutputKind(enum.Enum):
     """Which outputs a request reports while it runs (vLLM's names): every step's cumulative
-    output, or only the final one (what the offline LLM and non-streamed answers need, and the
-    engine then builds no output for the request until it finishes)."""
+    output; only what is new since the last one (what a stream sends: its cost per step does not
+    grow with the output's length); or only the final one (what the offline LLM and non-streamed
+    answers need, and the engine then builds no output for the request until it finishes)."""
 
     CUMULATIVE = 0
-    DELTA = 1  # vLLM's new-tokens-only outputs; not offered here (refused)
+    DELTA = 1
     FINAL_ONLY = 2
 
 
@@ -159,8 +160,6 @@ class SamplingParams:
             raise bad("repetition_penalty", "must be positive")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
-        if self.output_kind == RequestOutputKind.DELTA:
-            raise ValueError("output_kind DELTA is not supported by jaxserve; use CUMULATIVE or FINAL_ONLY.")
         if any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings")
         for name in ("logprobs", "prompt_logprobs"):

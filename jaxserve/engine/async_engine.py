@@ -48,15 +48,20 @@ class EngineRequestError(RuntimeError):
 
 
 class _RequestStream:
-    """The newest output of one request, or the error that ended it."""
+    """The newest output of one request, or the error that ended it. Deltas (output_kind DELTA)
+    that came while the reader was busy are merged into one."""
 
-    def __init__(self) -> None:
+    def __init__(self, deltas: bool = False) -> None:
         self._latest: RequestOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
+        self._deltas = deltas
 
     def put(self, output: RequestOutput) -> None:
-        self._latest = output
+        if self._deltas and self._latest is not None and output.error is None:
+            self._latest.add(output)
+        else:
+            self._latest = output
         self._ready.set()
 
     def fail(self, error: BaseException) -> None:
@@ -249,7 +254,7 @@ class AsyncLLMEngine:
         aborts the request, which frees its KV pages on the engine's next turn."""
         request_id = parent.request_id
         self._check_id_free(request_id)
-        stream = _RequestStream()
+        stream = _RequestStream(deltas=parent.reports_deltas)
         self._streams[request_id] = stream
         replica = self._routes[request_id] = self.router.assign(parent.prompt_token_ids)
         self._post(replica, ("add", parent))

@@ -130,8 +130,11 @@ class IncrementalDetokenizer:
         return self._text[: max(len(self._text) - self.stop_buffer_length, 0)]
 
     def get_delta(self, finished: bool) -> str:
-        """Text to stream since the last call (see stream_text)."""
-        end = len(self.stream_text(finished))
+        """Text to stream since the last call (see stream_text), at a cost that does not grow
+        with the text's length."""
+        end = len(self._text)
+        if not finished and self.stop_buffer_length:
+            end = max(end - self.stop_buffer_length, 0)
         start = self._last_delta_offset
         if end <= start:
             return ""

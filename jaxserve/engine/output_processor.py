@@ -124,39 +124,56 @@ class OutputProcessor:
     # ---- building outputs ------------------------------------------------------------------
 
     def make_output(self, parent: ParentRequest) -> RequestOutput:
-        """The request's outputs so far. With best_of > n, the n samples of highest
-        cumulative logprob once all have finished (nothing is reported before)."""
+        """The request's outputs so far, or with output_kind DELTA what is new since the last
+        (the prompt's logprobs in the first output only). With best_of > n, the n samples of
+        highest cumulative logprob once all have finished (nothing is reported before)."""
         chosen = list(range(len(parent.children)))
         if parent.best_of > parent.n:
             if parent.finished:
                 chosen.sort(key=lambda i: -parent.children[i].cumulative_logprob)
             chosen = chosen[: parent.n] if parent.finished else []
+        delta = parent.reports_deltas
+        if delta and not parent.reported:
+            parent.reported = [0] * len(parent.children)
         completions = []
         for index, i in enumerate(chosen):
             child, det = parent.children[i], parent.detokenizers[i]
+            start = parent.reported[i] if delta else 0
             wants = child.sampling_params.logprobs is not None
             logprobs = None
-            if wants:
-                logprobs = self._logprob_dicts(
-                    parent.logprob_dicts[i],
-                    child.output_logprobs,
-                    child.output_token_ids,
-                    child.sampling_params.logprobs,
+            if wants and delta:  # built for this output alone, not kept
+                k = child.sampling_params.logprobs
+                logprobs = self._entries(child.output_logprobs[start:], child.output_token_ids[start:], k)
+            elif wants:
+                logprobs = list(
+                    self._logprob_dicts(
+                        parent.logprob_dicts[i],
+                        child.output_logprobs,
+                        child.output_token_ids,
+                        child.sampling_params.logprobs,
+                    )
                 )
+            if det is None:
+                text = ""
+            else:
+                text = det.get_delta(child.is_finished) if delta else det.stream_text(child.is_finished)
             completions.append(
                 CompletionOutput(
                     index=index,
-                    text=det.stream_text(child.is_finished) if det is not None else "",
-                    token_ids=list(child.output_token_ids),
+                    text=text,
+                    token_ids=child.output_token_ids[start:],
                     cumulative_logprob=child.cumulative_logprob if wants else None,
                     logprobs=logprobs,
                     finish_reason=child.status.finish_reason,
                     stop_reason=child.stop_reason,
                 )
             )
+            if delta:
+                parent.reported[i] = child.num_output_tokens
         first = parent.children[0]
         prompt_logprobs = None
-        if first.wants_prompt_logprobs:
+        if first.wants_prompt_logprobs and not parent.prompt_reported:
+            parent.prompt_reported = delta
             dicts = self._logprob_dicts(
                 parent.prompt_logprob_dicts,
                 first.prompt_logprobs,
@@ -177,9 +194,17 @@ class OutputProcessor:
     def _logprob_dicts(
         self, built: list[dict], rows: list[TopLogprobs], chosen: Sequence[int], k: int
     ) -> list[dict[int, Logprob]]:
-        """vLLM's logprobs: per position the chosen token, then the top k (-1: all) with
-        their ranks and texts. Extends `built` with the rows that arrived since."""
-        for row, token in zip(rows[len(built) :], chosen[len(built) :]):
+        """Extends `built` with the entries (see _entries) of the rows that arrived since; returns it."""
+        built.extend(self._entries(rows[len(built) :], chosen[len(built) :], k))
+        return built
+
+    def _entries(
+        self, rows: Sequence[TopLogprobs], chosen: Sequence[int], k: int
+    ) -> list[dict[int, Logprob]]:
+        """vLLM's logprobs: per position the chosen token, then the top k (-1: all) with their
+        ranks and texts."""
+        entries = []
+        for row, token in zip(rows, chosen):
             k_row = len(row.ids) if k == -1 else k
             ids = [int(token), *row.ids[:k_row].tolist()]
             lps = [float(row.chosen_logprobs), *row.logprobs[:k_row].tolist()]
@@ -188,8 +213,8 @@ class OutputProcessor:
             entry: dict[int, Logprob] = {}
             for t, lp, rank, text in zip(ids, lps, ranks, texts):
                 entry.setdefault(t, Logprob(lp, rank, text))
-            built.append(entry)
-        return list(built)
+            entries.append(entry)
+        return entries
 
     def _token_texts(self, ids: list[int]) -> list[str | None]:
         if self.tokenizer is None:

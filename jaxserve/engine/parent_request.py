@@ -33,12 +33,20 @@ class ParentRequest:
     n: int = 1  # samples to return
     best_of: int = 1  # samples to run (the n of highest cumulative logprob are returned)
     trace_headers: Mapping[str, str] | None = None  # W3C trace context it came with (engine/tracing.py)
+    # output_kind DELTA: per child, the output tokens already reported; whether the prompt's were
+    reported: list[int] = field(default_factory=list)
+    prompt_reported: bool = False
 
     @cached_property  # asked every step; fixed once the children exist
     def reports_progress(self) -> bool:
-        """Outputs while it runs: cumulative outputs asked for, and no best-of-n choice pending."""
+        """Outputs while it runs: cumulative or delta outputs asked for, and no best-of-n choice
+        pending."""
         params = self.children[0].sampling_params
-        return self.best_of == self.n and params.output_kind == RequestOutputKind.CUMULATIVE
+        return self.best_of == self.n and params.output_kind != RequestOutputKind.FINAL_ONLY
+
+    @cached_property
+    def reports_deltas(self) -> bool:
+        return self.children[0].sampling_params.output_kind == RequestOutputKind.DELTA
 
     @property
     def finished(self) -> bool:

@@ -135,23 +135,31 @@ def test_bad_requests_are_refused_before_anything_is_queued(engine):
     assert not engine.has_unfinished_requests() and engine.runner.steps == []
 
 
-def test_final_only_requests_report_nothing_until_they_finish(engine):
-    """output_kind FINAL_ONLY (the offline LLM's, and a non-streamed answer's): no output is built
-    for the request before its last step; a CUMULATIVE one reports every token."""
-    from jaxserve.sampling_params import RequestOutputKind
+def test_each_output_kind_reports_what_it_promises(engine):
+    """FINAL_ONLY (the offline LLM's, and a non-streamed answer's): no output is built before the
+    last step; CUMULATIVE: every step, all tokens so far; DELTA (a stream's): every step, only the
+    new token, text and logprobs, which add up to the cumulative output (prompt logprobs once)."""
+    from jaxserve.sampling_params import RequestOutputKind as Kind
 
-    params = SamplingParams(max_tokens=5, ignore_eos=True)
-    engine.add_request(
-        "final", {"prompt_token_ids": [5, 6]}, params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-    )
-    engine.add_request("each", {"prompt_token_ids": [5, 6]}, params)
-    seen = {"final": [], "each": []}
+    params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    for kind in Kind:
+        engine.add_request(kind.name, {"prompt_token_ids": [5, 6]}, params.clone(output_kind=kind))
+    seen = {kind.name: [] for kind in Kind}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            seen[out.request_id].append(len(out.outputs[0].token_ids))
-    assert seen == {"final": [5], "each": [1, 2, 3, 4, 5]}
-    with pytest.raises(ValueError, match="DELTA"):
-        SamplingParams(output_kind=RequestOutputKind.DELTA)
+            seen[out.request_id].append(out)
+    sizes = {k: [len(o.outputs[0].token_ids) for o in outs] for k, outs in seen.items()}
+    assert sizes == {"FINAL_ONLY": [5], "CUMULATIVE": [1, 2, 3, 4, 5], "DELTA": [1, 1, 1, 1, 1]}
+    whole, deltas = seen["CUMULATIVE"][-1], seen["DELTA"]
+    assert sum((o.outputs[0].token_ids for o in deltas), []) == whole.outputs[0].token_ids
+    assert "".join(o.outputs[0].text for o in deltas) == whole.outputs[0].text
+    chosen = [next(iter(d)) for o in deltas for d in o.outputs[0].logprobs]  # (values vary by batch row)
+    assert chosen == [next(iter(d)) for d in whole.outputs[0].logprobs] == whole.outputs[0].token_ids
+    assert [o.prompt_logprobs is not None for o in deltas] == [True, False, False, False, False]
+    assert [d and list(d) for d in deltas[0].prompt_logprobs] == [
+        d and list(d) for d in whole.prompt_logprobs
+    ]
+    assert [o.outputs[0].finish_reason for o in deltas] == [None] * 4 + ["length"]
 
 
 async def test_an_id_still_live_on_the_engine_fails_only_its_new_request(tiny_llama_gqa):
@@ -181,3 +189,40 @@ async def test_an_id_still_live_on_the_engine_fails_only_its_new_request(tiny_ll
         assert server.dead_error is None
     finally:
         server.shutdown()
+
+
+async def test_deltas_a_reader_has_not_taken_are_merged_into_one_output(tiny_llama_gqa):
+    """A stream's reader that falls behind gets the deltas that came meanwhile as one output
+    (text, tokens and logprobs appended in order), never a lost or repeated token."""
+    from jaxserve.engine.async_engine import AsyncLLMEngine
+    from jaxserve.sampling_params import RequestOutputKind
+
+    engine = fake_engine(tiny_llama_gqa[0])
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=1)
+    engine.add_request("whole", {"prompt_token_ids": [5, 6, 7]}, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    whole = outputs[-1].outputs[0]
+
+    server = AsyncLLMEngine(engine)
+    server.start()
+    try:
+        stream = server.generate(
+            {"prompt_token_ids": [5, 6, 7]}, params.clone(output_kind=RequestOutputKind.DELTA), "d"
+        )
+        first = await anext(stream)
+        while engine.has_unfinished_requests():  # the engine runs on while nobody reads
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # its last outputs reach the stream on this loop
+        rest = [out async for out in stream]
+    finally:
+        server.shutdown()
+    outs = [first, *rest]  # what came before the first read is merged too
+    assert (
+        len(outs) <= 2 and outs[-1].finished and [o.finished for o in outs[:-1]] == [False] * (len(outs) - 1)
+    )
+    pieces = [o.outputs[0] for o in outs]
+    assert sum((p.token_ids for p in pieces), []) == whole.token_ids
+    assert "".join(p.text for p in pieces) == whole.text
+    assert [next(iter(d)) for p in pieces for d in p.logprobs] == whole.token_ids

@@ -256,8 +256,9 @@ def test_reasoning_then_tool_calls_stream_as_the_whole_message(cut):
     assert json.loads(fields["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "days": 2}
     stream = reply.stream()
     got = {"reasoning_content": "", "content": "", "arguments": ""}
-    for end in [*range(cut, len(text), cut), len(text)]:
-        delta = stream.update(text[:end], end == len(text))
+    ends = [*range(cut, len(text), cut), len(text)]
+    for start, end in zip([0, *ends], ends):  # the text arrives in pieces, as a stream's deltas
+        delta = stream.update(text[start:end], end == len(text))
         got["reasoning_content"] += delta.get("reasoning_content", "")
         got["content"] += delta.get("content", "")
         got["arguments"] += "".join(t["function"]["arguments"] for t in delta.get("tool_calls", []))

@@ -45,7 +45,9 @@ class ChatReply:
 
 
 class ChatReplyStream:
-    """One streamed choice: each update gives the delta fields for the text added since the last."""
+    """One streamed choice: each update takes the text generated since the last and gives the
+    delta fields. Plain text passes straight through; a reasoning or tool parser reads the
+    whole text so far (its cost per update grows with it)."""
 
     def __init__(self, reply: ChatReply):
         self.reply = reply
@@ -53,22 +55,22 @@ class ChatReplyStream:
             ReasoningStream(reply.reasoning, reply.reasoning_ended) if reply.reasoning is not None else None
         )
         self._tools = ToolCallStream(reply.tools) if reply.tools is not None else None
-        self._content = ""
-        self._seen = 0
+        self._text = ""  # all text so far, kept only for the reasoning parser
+        self._content = ""  # all content so far, kept only for the tool parser
 
     @property
     def called(self) -> bool:
         return self._tools is not None and self._tools.has_calls
 
-    def update(self, text: str, final: bool) -> dict[str, Any]:
+    def update(self, new_text: str, final: bool) -> dict[str, Any]:
         if self._reasoning is not None:
-            delta = self._reasoning.update(text, final)
+            self._text += new_text
+            delta = self._reasoning.update(self._text, final)
             new_content = delta.pop("content", "")
         else:
-            delta, new_content = {}, text[self._seen :]
-            self._seen = len(text)
-        self._content += new_content
+            delta, new_content = {}, new_text
         if self._tools is not None:
+            self._content += new_content
             delta.update(self._tools.update(self._content, final))
         elif new_content:
             delta["content"] = new_content

@@ -195,8 +195,8 @@ class _SamplingRequest(OpenAIBaseModel):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             structured_outputs=structured_outputs,
-            # an answer sent whole needs only the final output: none is built before it
-            output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY,
+            # a stream sends what is new each step; an answer sent whole needs only the final output
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 
     def to_beam_search_params(

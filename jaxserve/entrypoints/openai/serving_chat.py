@@ -152,13 +152,13 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     if c.finish_reason is not None:
                         done.add(c.index)
-                    stream = streams[c.index]
+                    stream = streams[c.index]  # c holds what is new since its last output (DELTA)
                     delta = stream.update(c.text, c.finish_reason is not None)
-                    start, tokens[c.index] = tokens[c.index], len(c.token_ids)
-                    new_tokens = body.logprobs and start < len(c.token_ids)
+                    tokens[c.index] += len(c.token_ids)
+                    new_tokens = body.logprobs and c.token_ids
                     if not delta and not new_tokens and c.finish_reason is None:
                         continue
-                    logprobs = self._logprobs(body, c.token_ids[start:], (c.logprobs or [])[start:])
+                    logprobs = self._logprobs(body, c.token_ids, c.logprobs)
                     finish_reason = reply.finish_reason(c.finish_reason, stream.called)
                     item = chunk(c.index, delta, finish_reason, c.stop_reason, logprobs)
                     if body.continuous_usage:

@@ -69,7 +69,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 text = (prompts[i]["prompt"] or "") + c.text if body.echo else c.text
                 logprobs = None
                 if body.logprobs is not None:
-                    ids, entries = self._logprob_tokens(out, c, 0, echo=body.echo)
+                    ids, entries = self._logprob_tokens(out, c, echo=body.echo)
                     logprobs, _ = self.logprob_formatter.completion_logprobs(ids, entries, as_ids)
                 choice = _choice(i * body.n + c.index, text, logprobs, c.finish_reason, c.stop_reason)
                 choice["prompt_logprobs"] = out_prompt_logprobs
@@ -80,15 +80,15 @@ class OpenAIServingCompletion(OpenAIServing):
         )
 
     @staticmethod
-    def _logprob_tokens(out: RequestOutput, c: CompletionOutput, start: int, echo: bool) -> tuple[list, list]:
-        """The output tokens from `start` on with their logprob entries, the prompt's first
-        when `echo`; None for a token without one (the first prompt token)."""
+    def _logprob_tokens(out: RequestOutput, c: CompletionOutput, echo: bool) -> tuple[list, list]:
+        """The output's tokens with their logprob entries, the prompt's first when `echo`; None
+        for a token without one (the first prompt token)."""
 
         def padded(entries: list, n: int) -> list:
             return entries[:n] + [None] * (n - len(entries))
 
-        ids = list(c.token_ids[start:])
-        entries = padded(list((c.logprobs or [])[start:]), len(ids))
+        ids = list(c.token_ids)
+        entries = padded(list(c.logprobs or []), len(ids))
         if echo:
             prompt_ids = list(out.prompt_token_ids)
             ids, entries = (
@@ -98,9 +98,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return ids, entries
 
     async def _chunks(self, body, head, prompts, outputs) -> AsyncIterator[dict]:
-        sent: dict[int, int] = {}  # choice index -> characters sent
+        """Chunks from the engine's outputs, each the text and tokens new since the last (DELTA)."""
         tokens: dict[int, int] = {}  # choice index -> tokens generated
-        logged: dict[int, int] = {}  # choice index -> tokens whose logprobs were sent
         offsets: dict[int, int] = {}  # choice index -> text_offset of the next token
         done: set[int] = set()  # choice indexes whose last chunk was sent
         wants_logprobs = body.logprobs is not None
@@ -115,17 +114,14 @@ class OpenAIServingCompletion(OpenAIServing):
                         continue
                     if c.finish_reason is not None:
                         done.add(index)
-                    first = index not in sent
-                    delta = c.text[sent.get(index, 0) :]
+                    first = index not in tokens
+                    delta = c.text
                     if first and body.echo:
                         delta = (prompts[i]["prompt"] or "") + delta
-                    sent[index] = len(c.text)
-                    tokens[index] = len(c.token_ids)
+                    tokens[index] = tokens.get(index, 0) + len(c.token_ids)
                     logprobs = None
                     if wants_logprobs:
-                        start = logged.get(index, 0)
-                        ids, entries = self._logprob_tokens(out, c, start, echo=first and body.echo)
-                        logged[index] = len(c.token_ids)
+                        ids, entries = self._logprob_tokens(out, c, echo=first and body.echo)
                         if ids:
                             logprobs, offsets[index] = self.logprob_formatter.completion_logprobs(
                                 ids, entries, as_ids, offsets.get(index, 0)
