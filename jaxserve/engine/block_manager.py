@@ -263,6 +263,14 @@ class BlockManager:
                 self._cached[page_hash] = block
                 self._block_hash[block], self._block_key[block] = page_hash, key
 
+    def uncache(self, req_id: str) -> None:
+        """Forget the hashes of the request's pages that no other request holds: its step failed,
+        and a page is registered when the step that writes it is planned, so its KV may be
+        missing (a page shared with a live request was written by an earlier step)."""
+        for block in self._tables.get(req_id, ()):
+            if self._ref_counts[block] == 1:
+                self._evict(block)
+
     def free(self, req_id: str) -> None:
         """Drop the request's references; unknown ids are ignored.
 

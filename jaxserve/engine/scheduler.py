@@ -449,6 +449,8 @@ class Scheduler:
                 continue
             if stop_reason is not None:
                 req.stop_reason = stop_reason
+            if status == RequestStatus.FINISHED_ERROR:  # its last step may not have written its pages
+                self.block_manager.uncache(req_id)
             self._finish(req, status)
 
     def stop_on_strings(self, stops: Iterable[tuple[Request, str]]) -> None:

@@ -110,6 +110,19 @@ def test_cache_hits_share_pages_and_take_them_out_of_the_free_queue():
         bm.allocate("c", 24, blocks)
 
 
+def test_a_failed_request_uncaches_only_the_pages_it_alone_holds():
+    """Its step registered pages it never wrote; pages a live request shares were written before."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    prompt = tokens(9)
+    assert bm.allocate("a", 9)
+    bm.cache_full_blocks("a", prompt, 9)
+    blocks, _ = bm.get_computed_blocks(tokens(5))  # b shares a's first page only
+    assert bm.allocate("b", 5, blocks)
+    bm.uncache("a")
+    bm.free("a")
+    assert bm.get_computed_blocks(prompt) == (blocks, 4)
+
+
 def test_eviction_forgets_the_hash():
     bm = BlockManager(num_blocks=3, block_size=2, enable_prefix_caching=True)
     assert bm.allocate("a", 4)

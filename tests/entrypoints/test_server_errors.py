@@ -277,6 +277,8 @@ async def test_a_failed_step_fails_only_its_requests(server, http, llm_engine, r
 
     monkeypatch.setattr(runner, "dispatch", flaky)
     session, url = http
+    # none of the prompt's pages cached: the failed step plans (and registers) them all, unwritten
+    assert llm_engine.reset_prefix_cache()
     body = {"model": MODEL, "prompt": PROMPTS[8], **{"temperature": 0, "max_tokens": MAX_TOKENS}}
     async with session.post(url + "v1/completions", json=body) as r:
         error = await r.json()
