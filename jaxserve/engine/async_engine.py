@@ -7,8 +7,8 @@ before anything is queued) and post it, or an abort, to the thread's inbox. Afte
 step the thread posts the outputs back to the event loop, where each lands in its
 request's stream.
 
-A stream keeps only the newest output: outputs are cumulative, so a slow reader skips
-intermediate ones instead of queueing them, and never holds up the engine.
+A stream never queues up behind a slow reader nor holds up the engine: it keeps the newest
+cumulative output, or merges the deltas (output_kind DELTA) its reader has not taken yet.
 
 With data parallelism (`-dp N`) there are N engines, each on its own device group and its
 own thread; router.py picks the replica of each request when it is queued, and the metrics
@@ -33,6 +33,7 @@ from jaxserve.engine.input_processor import PromptType
 from jaxserve.engine.llm_engine import EngineDeadError, LLMEngine
 from jaxserve.engine.pacing import StepWatcher, take_turn
 from jaxserve.engine.parent_request import ParentRequest
+from jaxserve.engine.request_stream import RequestStream
 from jaxserve.engine.router import Router
 from jaxserve.engine.stats import IterationStats, SchedulerStats
 from jaxserve.outputs import RequestOutput
@@ -45,36 +46,6 @@ StatsCallback = Callable[[SchedulerStats, IterationStats], None]
 
 class EngineRequestError(RuntimeError):
     """The engine failed while running the request (not the client's fault)."""
-
-
-class _RequestStream:
-    """The newest output of one request, or the error that ended it. Deltas (output_kind DELTA)
-    that came while the reader was busy are merged into one."""
-
-    def __init__(self, deltas: bool = False) -> None:
-        self._latest: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._ready = asyncio.Event()
-        self._deltas = deltas
-
-    def put(self, output: RequestOutput) -> None:
-        if self._deltas and self._latest is not None and output.error is None:
-            self._latest.add(output)
-        else:
-            self._latest = output
-        self._ready.set()
-
-    def fail(self, error: BaseException) -> None:
-        self._error = error
-        self._ready.set()
-
-    async def get(self) -> RequestOutput:
-        await self._ready.wait()
-        self._ready.clear()
-        if self._error is not None:
-            raise self._error
-        output, self._latest = self._latest, None
-        return output
 
 
 @dataclass
@@ -100,7 +71,7 @@ class AsyncLLMEngine:
         for e in engines[1:]:  # one grammar cache: a schema checked by the server compiles once
             e.share_grammars(self.engine)
         self.stats_callbacks = list(stats_callbacks)
-        self._streams: dict[str, _RequestStream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._routes: dict[str, int] = {}  # request id -> its replica
         sched = self.engine.config.scheduler_config
         self.router = Router(
@@ -254,7 +225,7 @@ class AsyncLLMEngine:
         aborts the request, which frees its KV pages on the engine's next turn."""
         request_id = parent.request_id
         self._check_id_free(request_id)
-        stream = _RequestStream(deltas=parent.reports_deltas)
+        stream = RequestStream(deltas=parent.reports_deltas)
         self._streams[request_id] = stream
         replica = self._routes[request_id] = self.router.assign(parent.prompt_token_ids)
         self._post(replica, ("add", parent))

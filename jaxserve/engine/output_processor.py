@@ -135,41 +135,7 @@ class OutputProcessor:
         delta = parent.reports_deltas
         if delta and not parent.reported:
             parent.reported = [0] * len(parent.children)
-        completions = []
-        for index, i in enumerate(chosen):
-            child, det = parent.children[i], parent.detokenizers[i]
-            start = parent.reported[i] if delta else 0
-            wants = child.sampling_params.logprobs is not None
-            logprobs = None
-            if wants and delta:  # built for this output alone, not kept
-                k = child.sampling_params.logprobs
-                logprobs = self._entries(child.output_logprobs[start:], child.output_token_ids[start:], k)
-            elif wants:
-                logprobs = list(
-                    self._logprob_dicts(
-                        parent.logprob_dicts[i],
-                        child.output_logprobs,
-                        child.output_token_ids,
-                        child.sampling_params.logprobs,
-                    )
-                )
-            if det is None:
-                text = ""
-            else:
-                text = det.get_delta(child.is_finished) if delta else det.stream_text(child.is_finished)
-            completions.append(
-                CompletionOutput(
-                    index=index,
-                    text=text,
-                    token_ids=child.output_token_ids[start:],
-                    cumulative_logprob=child.cumulative_logprob if wants else None,
-                    logprobs=logprobs,
-                    finish_reason=child.status.finish_reason,
-                    stop_reason=child.stop_reason,
-                )
-            )
-            if delta:
-                parent.reported[i] = child.num_output_tokens
+        completions = [self._completion(parent, i, index, delta) for index, i in enumerate(chosen)]
         first = parent.children[0]
         prompt_logprobs = None
         if first.wants_prompt_logprobs and not parent.prompt_reported:
@@ -189,6 +155,33 @@ class OutputProcessor:
             finished=parent.finished,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=first.num_cached_tokens,
+        )
+
+    def _completion(self, parent: ParentRequest, i: int, index: int, delta: bool) -> CompletionOutput:
+        """Child i's output as the `index`-th completion: all of it, or what is new (`delta`)."""
+        child, det = parent.children[i], parent.detokenizers[i]
+        start = parent.reported[i] if delta else 0
+        k = child.sampling_params.logprobs
+        logprobs = None
+        if k is not None and delta:  # built for this output alone, not kept
+            logprobs = self._entries(child.output_logprobs[start:], child.output_token_ids[start:], k)
+        elif k is not None:
+            built = parent.logprob_dicts[i]
+            logprobs = list(self._logprob_dicts(built, child.output_logprobs, child.output_token_ids, k))
+        if det is None:
+            text = ""
+        else:
+            text = det.get_delta(child.is_finished) if delta else det.stream_text(child.is_finished)
+        if delta:
+            parent.reported[i] = child.num_output_tokens
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=child.output_token_ids[start:],
+            cumulative_logprob=child.cumulative_logprob if k is not None else None,
+            logprobs=logprobs,
+            finish_reason=child.status.finish_reason,
+            stop_reason=child.stop_reason,
         )
 
     def _logprob_dicts(
