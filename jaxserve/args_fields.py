@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from jaxserve.config import (
     ATTENTION_BACKENDS,
 )
-from jaxserve.flags import ANY, G, arg
+from jaxserve.flags import G, arg
 from jaxserve.model_resolution import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -39,9 +39,10 @@ class EngineArgsFields:
     tokenizer_mode: str = arg(
         G.MODEL,
         "auto",
-        "Tokenizer implementation.",
+        "Tokenizer implementation; jaxserve loads Hugging Face fast tokenizers (or a .gguf file's own), "
+        "never the slow Python ones.",
         choices=("auto", "slow", "mistral", "custom"),
-        supported=("auto", "slow"),
+        supported=("auto",),
     )
     revision: str | None = arg(G.MODEL, None, "Model revision in the local HF cache.")
     tokenizer_revision: str | None = arg(G.MODEL, None, "Tokenizer revision in the local HF cache.")
@@ -95,7 +96,13 @@ class EngineArgsFields:
     enforce_eager: bool = arg(
         G.MODEL, False, "Compile shapes lazily on first use instead of precompiling every bucket."
     )
-    max_seq_len_to_capture: int = arg(G.MODEL, 8192, "Longest context covered by the precompiled buckets.")
+    max_seq_len_to_capture: int = arg(
+        G.MODEL,
+        8192,
+        "Longest context vLLM's CUDA graphs cover. jaxserve's precompiled step programs take every "
+        "context up to --max-model-len (the page table spans it), so there is nothing to bound.",
+        tier="C",
+    )
     attention_backend: str = arg(
         G.MODEL,
         "auto",
@@ -125,8 +132,14 @@ class EngineArgsFields:
         "KV-cache bytes per device, instead of what --gpu-memory-utilization leaves; accepts 1G, "
         "512M, 1.5g. Unset on CPU = 1 GiB.",
     )
-    # Only swap preemption would use this host budget, and it is refused: any size is honoured.
-    swap_space: float = arg(G.CACHE, 4, "GiB of host memory for preempted KV pages.", tier="B", supported=ANY)
+    swap_space: float = arg(
+        G.CACHE,
+        4,
+        "GiB of host memory for preempted KV pages (swap preemption). jaxserve preempts by recompute "
+        "and keeps no KV pages in host memory: only 0 or the default, which reserves nothing.",
+        tier="B",
+        supported=(4, 0),
+    )
     kv_cache_dtype: str = arg(
         G.CACHE,
         "auto",
@@ -185,14 +198,23 @@ class EngineArgsFields:
         choices=("auto", "generate", "embedding", "embed", "classify", "score", "reward", "transcription"),
         supported=("auto", "generate"),
     )
-    # jaxserve never runs a checkpoint's own code, so there is no code revision to pick.
-    code_revision: str | None = arg(G.MODEL, None, "Revision of the model's custom code.")
+    code_revision: str | None = arg(
+        G.MODEL,
+        None,
+        "Revision of the model's custom code; jaxserve never runs a checkpoint's code.",
+        tier="C",
+    )
     hf_config_path: str | None = arg(
         G.MODEL, None, "Directory (or cached HF repo id) whose config.json replaces the model's."
     )
-    # jaxserve reads only local files and the HF cache; a hub token is never needed.
     hf_token: bool | str | None = arg(
-        G.MODEL, None, "HF hub token (unused: nothing is downloaded).", nargs="?", const=True
+        G.MODEL,
+        None,
+        "HF hub token; jaxserve downloads nothing (local files and the HF cache only).",
+        tier="C",
+        secret=True,
+        nargs="?",
+        const=True,
     )
     config_format: str = arg(
         G.MODEL,
@@ -230,8 +252,12 @@ class EngineArgsFields:
     disable_sliding_window: bool = arg(
         G.MODEL, False, "Cap max_model_len at the model's sliding window (jaxserve applies no window)."
     )
-    # jaxserve has no cascade attention: it is always off, as asked.
-    disable_cascade_attn: bool = arg(G.MODEL, False, "Disable cascade attention.", tier="B", supported=ANY)
+    disable_cascade_attn: bool = arg(
+        G.MODEL,
+        False,
+        "Disable cascade attention (vLLM's shared-prefix CUDA kernel); jaxserve has none, it is always off.",
+        tier="C",
+    )
     enable_prompt_embeds: bool = arg(G.MODEL, False, "Accept prompt embeddings as input.", tier="B")
     logits_processor_pattern: str | None = arg(
         G.MODEL, None, "Regex of logits-processor import paths requests may name.", tier="B"
@@ -264,7 +290,9 @@ class EngineArgsFields:
         "others need torch.",
         choices=("auto", "guidance", "lm-format-enforcer", "outlines", "xgrammar"),
     )
-    guided_decoding_disable_fallback: bool = arg(G.DECODING, False, "No fallback backend (there is one).")
+    guided_decoding_disable_fallback: bool = arg(
+        G.DECODING, False, "No fallback backend; jaxserve has one backend and never falls back.", tier="C"
+    )
     guided_decoding_disable_any_whitespace: bool = arg(
         G.DECODING, False, "No free whitespace in guided JSON."
     )
@@ -322,12 +350,18 @@ class EngineArgsFields:
     distributed_timeout: float = arg(
         G.PARALLEL, 300.0, "Seconds to wait for every process to arrive (jax backend)."
     )
-    # One process loads one tensor at a time, so any worker limit is met.
-    max_parallel_loading_workers: int | None = arg(G.PARALLEL, None, "Most weight-loading workers at once.")
+    max_parallel_loading_workers: int | None = arg(
+        G.PARALLEL,
+        None,
+        "Most weight-loading workers at once (vLLM loads in batches to bound host memory); jaxserve's "
+        "one process reads one tensor at a time.",
+        tier="C",
+    )
     worker_use_ray: bool = arg(
         G.PARALLEL,
         False,
         "Older spelling of --distributed-executor-backend ray (not supported by jaxserve yet).",
+        tier="B",
     )
     disable_custom_all_reduce: bool = arg(G.PARALLEL, False, "CUDA custom all-reduce.", tier="C")
     ray_workers_use_nsight: bool = arg(G.PARALLEL, False, "Profile Ray workers with Nsight.", tier="C")
@@ -356,9 +390,13 @@ class EngineArgsFields:
     enable_lora_bias: bool = arg(G.LORA, False, "Serve LoRA adapters with biases (PEFT's lora_bias).")
     max_loras: int = arg(G.LORA, 1, "LoRA adapters one batch may mix (the device's adapter slots).")
     max_lora_rank: int = arg(G.LORA, 16, "Largest LoRA rank (every slot holds this rank).")
-    # LoRA weights are applied in float32 whatever is asked.
     lora_dtype: str = arg(
-        G.LORA, "auto", "LoRA weight dtype.", tier="B", supported=ANY, choices=("auto", "float16", "bfloat16")
+        G.LORA,
+        "auto",
+        "Dtype of the LoRA weights; jaxserve holds and applies them in float32 (auto = float32).",
+        tier="B",
+        choices=("auto", "float16", "bfloat16", "float32"),
+        supported=("auto", "float32"),
     )
     max_cpu_loras: int | None = arg(
         G.LORA, None, "LoRA adapters kept read in host memory (default: max_loras)."
@@ -367,7 +405,12 @@ class EngineArgsFields:
         G.LORA, False, "Under tensor parallelism, split both LoRA factors (their rank too) over the devices."
     )
     lora_extra_vocab_size: int = arg(
-        G.LORA, 256, "Extra vocabulary of LoRA adapters.", tier="B", supported=ANY
+        G.LORA,
+        256,
+        "Extra vocabulary of LoRA adapters. jaxserve serves none (an adapter that adds tokens is refused "
+        "when read): only 0 or the default, which reserves nothing.",
+        tier="B",
+        supported=(256, 0),
     )
     long_lora_scaling_factors: list[float] | None = arg(
         G.LORA, None, "Scaling factors of long-context LoRA (not served).", tier="B"
@@ -386,7 +429,10 @@ class EngineArgsFields:
     )
     # ---- SpeculativeConfig
     speculative_config: dict | str | None = arg(
-        G.SPEC, None, "JSON object: ngram (prompt lookup) or a draft model.", tier="B"
+        G.SPEC,
+        None,
+        "JSON object: vLLM's speculative decoding (ngram prompt lookup or a draft model).",
+        tier="B",
     )
     # ---- ObservabilityConfig
     otlp_traces_endpoint: str | None = arg(
@@ -396,9 +442,11 @@ class EngineArgsFields:
         "http/protobuf; needs pip install 'jaxserve[otel]').",
     )
     collect_detailed_traces: list[str] | None = arg(G.OBS, None, "Modules to trace in detail.", tier="B")
-    # jaxserve has hidden no metric yet: any version shows them all, as they are.
     show_hidden_metrics_for_version: str | None = arg(
-        G.OBS, None, "Show metrics hidden since this version (jaxserve hides none yet)."
+        G.OBS,
+        None,
+        "Show metrics hidden since this version; jaxserve hides none, every metric is shown.",
+        tier="C",
     )
     # ---- SchedulerConfig, continued
     max_num_partial_prefills: int = arg(G.SCHED, 1, "Concurrent partial prefills.", tier="B")

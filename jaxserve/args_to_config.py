@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 
 from jaxserve.args_fields import EngineArgsFields
 from jaxserve.config import (
@@ -17,6 +16,7 @@ from jaxserve.config import (
     CompilationConfig,
     EngineConfig,
     LoRAConfig,
+    ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
@@ -45,8 +45,8 @@ def validate(args: EngineArgsFields) -> None:
         )
     warnings = check_flag_values(args)
     positive = (
-        "max_num_seqs", "tensor_parallel_size", "max_logprobs", "max_seq_len_to_capture",
-        "max_num_batched_tokens", "num_gpu_blocks_override", "max_parallel_loading_workers",
+        "max_num_seqs", "tensor_parallel_size", "max_logprobs", "max_num_batched_tokens",
+        "num_gpu_blocks_override",
     )  # fmt: skip
     for name in positive:
         value = getattr(args, name)
@@ -59,13 +59,8 @@ def validate(args: EngineArgsFields) -> None:
         raise ValueError(f"kv_cache_memory_bytes must be positive, got {args.kv_cache_memory_bytes}.")
     if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 2:
         raise ValueError("num_gpu_blocks_override must be at least 2 (one page is reserved for padding).")
-    if args.swap_space < 0:
-        raise ValueError(f"swap_space must be >= 0 GiB, got {args.swap_space}.")
     if args.long_prefill_token_threshold < 0:
         raise ValueError("long_prefill_token_threshold must be >= 0.")
-    version = args.show_hidden_metrics_for_version
-    if version is not None and not re.fullmatch(r"v?\d+(\.\d+){0,2}", str(version)):
-        raise ValueError(f"show_hidden_metrics_for_version must be a version such as 0.7, got {version!r}.")
     if not isinstance(args.scheduler_delay_factor, (int, float)) or args.scheduler_delay_factor < 0:
         raise ValueError(f"scheduler_delay_factor must be >= 0, got {args.scheduler_delay_factor!r}.")
     if args.otlp_traces_endpoint:
@@ -73,7 +68,10 @@ def validate(args: EngineArgsFields) -> None:
     _check_kv_scales(args)
     _check_rope(args)
     _check_distributed(args)
-    _structured_outputs_config(args)
+    if _structured_outputs_config(args).disable_fallback and not args.guided_decoding_disable_fallback:
+        warnings.append(
+            "--structured-outputs-config disable_fallback has no effect in jaxserve (one backend, no fallback)."
+        )
     if args.data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {args.data_parallel_size}.")
     if not getattr(args, "_warned", False):
@@ -166,6 +164,7 @@ def build_engine_config(args: EngineArgsFields) -> EngineConfig:
     distributed.initialize_from_args(args)
     backend = _attention_backend(args)
     model_config = model_config_from_args(args)
+    _check_quantization_source(args.quantization, model_config)
     scheduler_config = _scheduler_config(args, model_config.max_model_len)  # (checked before the cache)
     return EngineConfig(
         model_config=model_config,
@@ -180,6 +179,26 @@ def build_engine_config(args: EngineArgsFields) -> EngineConfig:
         structured_outputs_config=_structured_outputs_config(args),
         lora_config=_lora_config(args),
         otlp_traces_endpoint=args.otlp_traces_endpoint or None,
+    )
+
+
+def _check_quantization_source(flag: str | None, model_config: ModelConfig) -> None:
+    """A --quantization method that only reads a checkpoint's own quantized values (not one jaxserve
+    applies at load, such as int8 or fp8) needs a checkpoint quantized that way; refused otherwise,
+    naming what the checkpoint holds, rather than served unquantized."""
+    from jaxserve.layers.linear import WEIGHT_QUANTIZATIONS
+    from jaxserve.loader.prequantized import METHODS
+
+    if flag not in METHODS or flag in WEIGHT_QUANTIZATIONS or model_config.checkpoint_quantization == flag:
+        return
+    if model_config.load_format == "gguf":
+        actual = "GGUF quantization (served with --quantization gguf)"
+    else:
+        method = (model_config.get("quantization_config") or {}).get("quant_method")
+        actual = f"quant_method {method!r}" if method else "no quantization_config (it is not quantized)"
+    raise ValueError(
+        f"--quantization {flag} needs a checkpoint quantized with {flag}; {model_config.model!r} has "
+        f"{actual}. jaxserve quantizes at load only with --quantization {' or '.join(WEIGHT_QUANTIZATIONS)}."
     )
 
 

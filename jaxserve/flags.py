@@ -16,19 +16,6 @@ from dataclasses import field
 from typing import Any
 
 
-class _AnyValue(tuple):
-    """`supported=ANY`: every value is honoured, e.g. a budget that only a refused feature would use."""
-
-    def __contains__(self, value: object) -> bool:
-        return True
-
-    def __repr__(self) -> str:
-        return "any value"
-
-
-ANY = _AnyValue()
-
-
 def arg(
     group: str,
     default: Any = None,
@@ -40,6 +27,7 @@ def arg(
     short: str | None = None,
     factory: Any = None,
     json_value: bool = False,
+    secret: bool = False,
     **argparse_kwargs: Any,
 ) -> Any:
     """A dataclass field that is also a vLLM flag, so that adding a field adds the flag.
@@ -49,8 +37,11 @@ def arg(
     about, it has no effect on JAX. choices: vLLM's full value list, so an existing command line
     parses and the values jaxserve lacks are refused by name rather than called invalid.
     json_value: the flag takes one JSON value (vLLM's spelling for list flags such as CORS).
-    Further keywords go to argparse unchanged.
+    secret: the value is never written to the log (a token). Further keywords go to argparse
+    unchanged.
     """
+    if tier not in ("A", "B", "C"):
+        raise ValueError(f"tier must be A, B or C, got {tier!r}.")
     metadata = {
         "group": group,
         "help": help,
@@ -59,6 +50,7 @@ def arg(
         "supported": supported,
         "short": short,
         "json_value": json_value,
+        "secret": secret,
         "argparse": argparse_kwargs,
     }
     if factory is not None:
@@ -74,6 +66,30 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def allowed_values(f: dataclasses.Field) -> tuple | None:
+    """The values of an `arg` field that jaxserve honours (None: every value): `supported`, else
+    the default alone for tier B, else vLLM's value list."""
+    meta = f.metadata
+    if meta["supported"] is not None:
+        return meta["supported"]
+    return (field_default(f),) if meta["tier"] == "B" else meta["choices"]
+
+
+def describe(f: dataclasses.Field) -> str:
+    """The field's help, plus what its tier means for it, so that --help and the flag table never
+    promise what is refused or ignored."""
+    meta = f.metadata
+    text = meta["help"] or f.name.replace("_", " ") + "."
+    if meta["tier"] == "C":
+        return text + " No effect in jaxserve."
+    if meta["supported"] is None:
+        return text + (" jaxserve so far: only the default." if meta["tier"] == "B" else "")
+    named = [str(v) for v in meta["supported"] if v is not None and v is not False]
+    return text + (
+        f" jaxserve so far: {', '.join(named)}." if named else " jaxserve so far: only the default."
+    )
+
+
 def check_flag_values(args: Any) -> list[str]:
     """Refuse a value of an `arg` field that jaxserve cannot honour (ValueError, one line naming
     the flag and what is supported); return one warning per tier-C flag set, for the caller to
@@ -84,11 +100,10 @@ def check_flag_values(args: Any) -> list[str]:
         if not meta or value == default:
             continue
         if meta["tier"] == "C":
-            warnings.append(f"{flag_name(f.name)} has no effect in jaxserve; ignoring {f.name}={value!r}.")
+            shown = "" if meta["secret"] else f"={value!r}"
+            warnings.append(f"{flag_name(f.name)} has no effect in jaxserve; ignoring {f.name}{shown}.")
             continue
-        allowed = meta["supported"]
-        if allowed is None:
-            allowed = (default,) if meta["tier"] == "B" else meta["choices"]
+        allowed = allowed_values(f)
         if allowed is not None and value not in allowed:
             raise ValueError(
                 f"{flag_name(f.name)}={value!r} ({f.name}) is not supported by jaxserve yet; "

@@ -165,6 +165,18 @@ def test_config_yaml_is_read_and_the_command_line_wins(tmp_path, model_dir):
     assert parse_args(parser, ["generate", "--max_num_seqs=3", "--prompt", "x"]).max_num_seqs == 3
 
 
+@pytest.mark.parametrize("command", ["generate", "chat", "convert"])
+def test_dotted_json_keys_reach_the_engine_args_of_every_command(command):
+    extra = {"generate": ["--prompt", "x"], "chat": [], "convert": ["--output", "out"]}[command]
+    argv = [command, "m", "--compilation-config.cache_dir", "", "-O", '{"cache_dir": "/y"}', *extra]
+    assert engine_args_from_namespace(parse_args(build_parser(), argv)).compilation_config == {
+        "cache_dir": "/y"
+    }
+    argv = [command, "m", "--lora-dtype", "float32", "--compilation-config.cache_dir", "", *extra]
+    args = engine_args_from_namespace(parse_args(build_parser(), argv))
+    assert args.compilation_config == {"cache_dir": ""} and args.lora_dtype == "float32"
+
+
 def test_config_yaml_runs_generate(tmp_path, model_dir, capsys):
     config = tmp_path / "engine.yaml"
     config.write_text(

@@ -12,7 +12,7 @@ import re
 
 import pytest
 import yaml
-from serve_flags import ACCEPTED_B, FLAGS, NEEDS_SETUP, SHORT, argv_for, dest, long_flag
+from serve_flags import FLAGS, NEEDS_SETUP, SHORT, arg_fields, argv_for, dest, long_flag, outcome, tier
 from tiny_models import TINY_LLAMA
 
 from jaxserve.args import EngineArgs
@@ -24,7 +24,7 @@ from jaxserve.entrypoints.openai.cli_args import (
     serve_args_from_namespace,
 )
 from jaxserve.entrypoints.openai.server_args import ServerArgs, validate_server_args
-from jaxserve.flags import GROUPS
+from jaxserve.flags import GROUPS, allowed_values
 from jaxserve.layers.rotary import rope_parameters
 
 IDS = [row[0] for row in FLAGS]
@@ -91,17 +91,31 @@ def test_table_covers_every_flag_and_nothing_is_defined_twice():
     engine, server = EngineArgs.field_names(), ServerArgs.field_names()
     assert not engine & server
     table = {dest(flag) for flag, *_ in FLAGS}
-    assert table <= engine | server
+    assert table == {f.name for f in arg_fields().values()}  # every flag has an example row
     assert set(SHORT) <= {flag for flag, *_ in FLAGS}
 
 
-@pytest.mark.parametrize("flag, tier, default, value, expected", FLAGS, ids=IDS)
-def test_help_shows_flag_with_default(serve_help, flag, tier, default, value, expected):
+def test_tiers_are_read_from_the_fields_and_no_flag_is_silently_ignored():
+    """The tier is the field's alone; a tier-B flag refuses some value (it never accepts every
+    value without a word), and a restricted tier-A flag names what it honours in --help."""
+    for flag, f in arg_fields().items():
+        meta = f.metadata
+        assert meta["tier"] in ("A", "B", "C"), flag
+        if meta["tier"] == "B":
+            assert isinstance(allowed_values(f), tuple), f"{flag}: tier B names what it honours"
+        if meta["tier"] == "C":
+            assert meta["supported"] is None, f"{flag}: tier C warns, it refuses nothing"
+
+
+@pytest.mark.parametrize("flag, default, value, expected", FLAGS, ids=IDS)
+def test_help_shows_flag_with_default(serve_help, flag, default, value, expected):
     entry = _help_entries(serve_help).get(flag)
     assert entry is not None, f"{flag} missing from serve --help"
     assert f"(default: {default})" in entry
-    if tier == "C":
+    if tier(flag) == "C":
         assert "No effect in jaxserve" in entry
+    if outcome(flag, expected) == "refused":
+        assert "jaxserve so far:" in entry  # what is honoured, so --help does not promise the rest
 
 
 def test_help_groups_follow_vllm(serve_help):
@@ -122,18 +136,58 @@ def test_generate_help_has_the_engine_groups_but_no_frontend(capsys):
     assert "\nFrontend:" not in out and "--api-key" not in out
 
 
-@pytest.mark.parametrize("flag, tier, default, value, expected", FLAGS, ids=IDS)
-def test_flag_parses_on_the_command_line(parser, flag, tier, default, value, expected):
+@pytest.mark.parametrize("flag, default, value, expected", FLAGS, ids=IDS)
+def test_flag_parses_on_the_command_line(parser, flag, default, value, expected):
     ns = parse_args(parser, ["serve", *argv_for(flag, value)])
     assert getattr(ns, dest(flag)) == expected
     assert expected != default  # the row would prove nothing otherwise
 
 
+def test_dotted_key_equals_the_json_object(parser):
+    dotted = parse_args(parser, ["serve", "--compilation-config.cache_dir", "/x"])
+    assert (
+        dotted.compilation_config
+        == parse_args(parser, ["serve", "--compilation-config", '{"cache_dir": "/x"}']).compilation_config
+    )
+    assert dotted.compilation_config == {"cache_dir": "/x"}
+
+
+def test_dotted_keys_merge_nest_and_parse_json(parser):
+    argv = [
+        "serve", "--compilation-config.cache_dir", "/x", "--compilation_config.token_buckets=[16, 64]",
+        "m", "--hf-overrides.rope_scaling.factor", "2.0", "--hf-overrides.rope_scaling.rope_type", "linear",
+        "--structured-outputs-config.backend", "guidance", "--speculative-config.method=ngram",
+    ]  # fmt: skip
+    ns = parse_args(parser, argv)
+    assert ns.compilation_config == {"cache_dir": "/x", "token_buckets": [16, 64]}
+    assert ns.hf_overrides == {"rope_scaling": {"factor": 2.0, "rope_type": "linear"}}
+    assert ns.structured_outputs_config == {"backend": "guidance"}
+    assert ns.speculative_config == {"method": "ngram"} and ns.model_tag == "m"
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--no-such-config.key", "1"], "unrecognized arguments: --no-such-config.key"),
+        (["--max-num-seqs.key", "1"], "unrecognized arguments: --max-num-seqs.key"),  # not a JSON flag
+        (["--compilation-config.cache_dir"], "--compilation-config.KEY VALUE"),
+    ],
+)
+def test_a_dotted_flag_without_a_json_base_or_value_is_a_usage_error(capsys, argv, named):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", *argv])
+    assert exc.value.code == 2 and named in _error_line(capsys)
+
+
+def test_help_shows_the_dotted_form(serve_help):
+    assert "--compilation-config.KEY VALUE" in _help_entries(serve_help)["--compilation-config"]
+
+
 @pytest.mark.parametrize("spelling", ["underscores", "dashes"])
-@pytest.mark.parametrize("flag, tier, default, value, expected", [r for r in FLAGS if r[0] not in SHORT], ids=[
+@pytest.mark.parametrize("flag, default, value, expected", [r for r in FLAGS if r[0] not in SHORT], ids=[
     r[0] for r in FLAGS if r[0] not in SHORT
 ])  # fmt: skip
-def test_flag_parses_from_yaml_config(parser, tmp_path, spelling, flag, tier, default, value, expected):
+def test_flag_parses_from_yaml_config(parser, tmp_path, spelling, flag, default, value, expected):
     key = dest(flag) if spelling == "underscores" else long_flag(flag)[2:]
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump({key: expected}))
@@ -141,8 +195,8 @@ def test_flag_parses_from_yaml_config(parser, tmp_path, spelling, flag, tier, de
     assert getattr(ns, dest(flag)) == expected
 
 
-@pytest.mark.parametrize("flag, tier, default, value, expected", FLAGS, ids=IDS)
-def test_defaults_match_vllm(parser, flag, tier, default, value, expected):
+@pytest.mark.parametrize("flag, default, value, expected", FLAGS, ids=IDS)
+def test_defaults_match_vllm(parser, flag, default, value, expected):
     ns = parse_args(parser, ["serve"])
     assert getattr(ns, dest(flag)) == default
     assert _value(EngineArgs(), ServerArgs(), flag) == default  # LLM(**kwargs) gets the same default
@@ -151,7 +205,7 @@ def test_defaults_match_vllm(parser, flag, tier, default, value, expected):
 def test_engine_flags_are_llm_keyword_arguments():
     """vLLM's LLM(**kwargs) takes the engine flags; EngineArgs fields are exactly what LLM accepts."""
     engine_rows = [r for r in FLAGS if dest(r[0]) in EngineArgs.field_names()]
-    args = EngineArgs(**{dest(flag): expected for flag, _, _, _, expected in engine_rows})
+    args = EngineArgs(**{dest(flag): expected for flag, _, _, expected in engine_rows})
     assert args.extra == {}
     assert args.max_model_len == 1000 and args.rope_theta == 50000.0
 
@@ -184,12 +238,13 @@ def test_shipped_configs_parse_to_what_they_say(parser, name):
 # ---- tiers: what starts, what is refused, what warns -----------------------------------------
 
 
-@pytest.mark.parametrize(
-    "flag, value, expected",
-    [(f, v, e) for f, t, _, v, e in FLAGS if t == "A" and f not in NEEDS_SETUP],
-    ids=[f for f, t, *_ in FLAGS if t == "A" and f not in NEEDS_SETUP],
-)
-def test_tier_a_flag_reaches_run_server(served, caplog, flag, value, expected):
+STARTS = [(f, v, e) for f, _, v, e in FLAGS if outcome(f, e) == "starts" and f not in NEEDS_SETUP]
+WARNS = [(f, v) for f, _, v, e in FLAGS if outcome(f, e) == "warns"]
+REFUSED = [(f, v) for f, _, v, e in FLAGS if outcome(f, e) == "refused"]
+
+
+@pytest.mark.parametrize("flag, value, expected", STARTS, ids=[r[0] for r in STARTS])
+def test_honoured_value_reaches_run_server(served, caplog, flag, value, expected):
     assert main(["serve", *argv_for(flag, value)]) == 17
     (engine_args, server_args), *rest = served
     assert not rest
@@ -197,9 +252,7 @@ def test_tier_a_flag_reaches_run_server(served, caplog, flag, value, expected):
     assert _warnings(caplog) == []
 
 
-@pytest.mark.parametrize(
-    "flag, value", [(f, v) for f, t, _, v, _ in FLAGS if t == "C"], ids=[f for f, t, *_ in FLAGS if t == "C"]
-)
+@pytest.mark.parametrize("flag, value", WARNS, ids=[r[0] for r in WARNS])
 def test_tier_c_flag_warns_once_and_starts(served, caplog, flag, value):
     caplog.set_level(logging.WARNING)
     assert main(["serve", *argv_for(flag, value)]) == 17
@@ -218,11 +271,33 @@ def test_tier_c_warnings_are_logged_once_per_engine_args(caplog):
 
 
 @pytest.mark.parametrize(
-    "flag, value",
-    [(f, v) for f, t, _, v, _ in FLAGS if t == "B" and f not in ACCEPTED_B],
-    ids=[f for f, t, *_ in FLAGS if t == "B" and f not in ACCEPTED_B],
+    "argv",
+    [
+        ["--max-parallel-loading-workers", "0"],
+        ["--max-seq-len-to-capture", "0"],
+        ["--show-hidden-metrics-for-version", "seven"],
+        ["--disable-cascade-attn"],
+        ["--code-revision", "v2"],
+        ["--guided-decoding-disable-fallback"],
+    ],
 )
-def test_tier_b_value_is_refused_in_one_line(served, capsys, flag, value):
+def test_a_flag_without_effect_is_never_an_error(served, caplog, argv):
+    """Flags nothing in jaxserve acts on: accepted with one warning, whatever the value."""
+    caplog.set_level(logging.WARNING)
+    assert main(["serve", *argv]) == 17
+    (warning,) = _warnings(caplog)
+    assert argv[0] in warning and "no effect in jaxserve" in warning
+
+
+def test_the_hf_token_is_warned_about_but_never_logged(served, caplog):
+    caplog.set_level(logging.WARNING)
+    assert main(["serve", "--hf-token", "hf_secret_value"]) == 17
+    (warning,) = _warnings(caplog)
+    assert "--hf-token" in warning and "hf_secret_value" not in warning
+
+
+@pytest.mark.parametrize("flag, value", REFUSED, ids=[r[0] for r in REFUSED])
+def test_value_jaxserve_lacks_is_refused_in_one_line(served, capsys, flag, value):
     with pytest.raises(SystemExit) as exc:
         main(["serve", *argv_for(flag, value)])
     assert exc.value.code == 2
@@ -231,13 +306,17 @@ def test_tier_b_value_is_refused_in_one_line(served, capsys, flag, value):
 
 
 @pytest.mark.parametrize(
-    "flag, value, expected",
-    [(f, v, e) for f, t, _, v, e in FLAGS if f in ACCEPTED_B],
-    ids=[f for f, *_ in FLAGS if f in ACCEPTED_B],
+    "argv, name, expected",
+    [
+        (["--swap-space", "0"], "swap_space", 0.0),  # no host swap: what jaxserve has
+        (["--lora-extra-vocab-size", "0"], "lora_extra_vocab_size", 0),
+        (["--lora-dtype", "float32"], "lora_dtype", "float32"),  # the LoRA weights' own dtype
+        (["--tokenizer-mode", "auto"], "tokenizer_mode", "auto"),
+    ],
 )
-def test_tier_b_values_jaxserve_honours_start(served, caplog, flag, value, expected):
-    assert main(["serve", *argv_for(flag, value)]) == 17
-    assert _value(*served[0], flag) == expected
+def test_values_jaxserve_honours_start_without_a_warning(served, caplog, argv, name, expected):
+    assert main(["serve", *argv]) == 17
+    assert getattr(served[0][0], name) == expected
     assert _warnings(caplog) == []
 
 
@@ -246,6 +325,12 @@ def test_tier_b_values_jaxserve_honours_start(served, caplog, flag, value, expec
     [
         (["--tokenizer-mode", "mistral"], "--tokenizer-mode"),
         (["--tokenizer-mode", "custom"], "--tokenizer-mode"),
+        (["--tokenizer-mode", "slow"], "--tokenizer-mode"),
+        (["--lora-dtype", "bfloat16"], "--lora-dtype"),
+        (["--lora-dtype", "float16"], "--lora-dtype"),
+        (["--swap-space", "8"], "--swap-space"),
+        (["--lora-extra-vocab-size", "512"], "--lora-extra-vocab-size"),
+        (["--speculative-config.method", "ngram"], "--speculative-config"),
         (["--task", "embed"], "--task"),
         (["--model-impl", "transformers"], "--model-impl"),
         (["--config-format", "mistral"], "--config-format"),
@@ -253,7 +338,6 @@ def test_tier_b_values_jaxserve_honours_start(served, caplog, flag, value, expec
         (["--rope-scaling", '{"rope_type": "longrope", "factor": 4.0}'], "longrope"),
         (["--rope-scaling", '{"rope_type": "linear"}'], "factor"),
         (["--rope-theta", "0"], "--rope-theta"),
-        (["--max-parallel-loading-workers", "0"], "max_parallel_loading_workers"),
         (["--swap-space", "-1"], "swap_space"),
         (["--port", "70000"], "--port"),
         (["--ssl-keyfile", "key.pem"], "--ssl-certfile"),
@@ -474,6 +558,25 @@ def test_a_checkpoint_quantized_by_a_method_jaxserve_cannot_serve_is_refused_in_
     assert "'gptq'" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_a_checkpoint_method_on_a_checkpoint_without_it_is_refused(tmp_path, capsys, fmt):
+    """--quantization compressed-tensors only reads a checkpoint's own quantized values; on any
+    other checkpoint it would serve unquantized weights."""
+    if fmt == "gguf":
+        from loader.tiny_checkpoints import write_tiny_gguf
+
+        model, has = write_tiny_gguf(str(tmp_path / "m.gguf"), tied=True).path, "GGUF"
+    else:
+        model, has = _checkpoint(tmp_path / "m"), "no quantization_config"
+    with pytest.raises(ValueError, match=f"--quantization compressed-tensors .*{has}"):
+        EngineArgs(model=model, quantization="compressed-tensors").create_engine_config()
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model", model, "-q", "compressed-tensors", "--prompt", "hi"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "--quantization compressed-tensors" in err and len(err.splitlines()) == 1
+
+
 def test_max_model_len_may_exceed_the_trained_length_only_with_rope_scaling(tmp_path):
     model = _checkpoint(tmp_path / "m")
     with pytest.raises(ValueError, match=r"max_position_embeddings\)"):
@@ -508,7 +611,6 @@ def test_multi_process_flags_must_hang_together(served, capsys, argv, message):
 @pytest.mark.parametrize(
     "argv, named",
     [
-        (["--show-hidden-metrics-for-version", "seven"], "show_hidden_metrics_for_version"),
         (["--scheduler-delay-factor", "-1"], "scheduler_delay_factor"),
     ],
 )
@@ -516,3 +618,33 @@ def test_bad_values_of_newly_served_flags_are_one_line(served, capsys, argv, nam
     with pytest.raises(SystemExit) as exc:
         main(["serve", *argv])
     assert exc.value.code == 2 and named in _error_line(capsys) and served == []
+
+
+# ---- the flag table in docs/ ----------------------------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_docs_flag_table_is_the_scripts_output():
+    """docs/flags.md is generated from the fields; regenerate it with
+    `python scripts/flag_table.py > docs/flags.md` after changing a flag."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "flag_table", os.path.join(ROOT, "scripts", "flag_table.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with open(os.path.join(ROOT, "docs", "flags.md"), encoding="utf-8") as fh:
+        assert fh.read() == module.markdown()
+    rows = [line for line in module.markdown().splitlines() if line.startswith("| `-")]
+    assert len(rows) == len(arg_fields())  # one row per flag
+
+
+def test_structured_outputs_disable_fallback_key_is_warned_about_once(caplog):
+    caplog.set_level(logging.WARNING)
+    args = EngineArgs(structured_outputs_config={"disable_fallback": True})
+    args.validate()
+    args.validate()
+    (warning,) = _warnings(caplog)
+    assert "disable_fallback has no effect in jaxserve" in warning

@@ -24,7 +24,7 @@ from typing import Any
 
 from jaxserve.args import EngineArgs
 from jaxserve.entrypoints.openai.server_args import ServerArgs, validate_server_args
-from jaxserve.flags import ANY, GROUPS, field_default, flag_name, parse_human_int, parse_model_len
+from jaxserve.flags import GROUPS, describe, field_default, flag_name, parse_human_int, parse_model_len
 
 PROG = "jaxserve"
 
@@ -84,14 +84,7 @@ def _json_value(value: str) -> Any:
 
 def _help(f: dataclasses.Field) -> str:
     """The field's help, plus what its tier means for it, so --help never promises what is refused."""
-    meta = f.metadata
-    text, supported = meta["help"] or f.name.replace("_", " ") + ".", meta["supported"]
-    if meta["tier"] == "C":
-        text += " No effect in jaxserve."
-    elif supported is not ANY and (supported or meta["tier"] == "B"):
-        named = [str(v) for v in supported or () if v not in (None, False)]
-        text += f" jaxserve so far: {', '.join(named)}." if named else " jaxserve so far: only the default."
-    return text.replace("%", "%%")
+    return describe(f).replace("%", "%%")
 
 
 def _flag_kwargs(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
@@ -127,6 +120,8 @@ def _flag_kwargs(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
     kw.update(f.metadata["argparse"])
     if kw.get("action") == "append":  # one value per occurrence, as vLLM's --middleware
         kw.pop("nargs", None)
+    if kw.get("type") is _json_object:
+        kw["help"] += f" One key at a time: {flag_name(f.name)}.KEY VALUE (nested: .A.B)."
     return kw
 
 
@@ -251,6 +246,62 @@ def _config_argv(path: str, parser: argparse.ArgumentParser, skip: frozenset[str
     return argv
 
 
+def _json_object_flags(parser: argparse.ArgumentParser) -> set[str]:
+    """The long option strings of the JSON-object flags of `parser` and of its sub-commands."""
+    flags: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                flags |= _json_object_flags(sub)
+        elif action.type is _json_object:
+            flags |= {s for s in action.option_strings if s.startswith("--")}
+    return flags
+
+
+def _dotted_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _expand_dotted(argv: list[str], json_flags: set[str]) -> list[str]:
+    """vLLM's dotted form of a JSON-object flag: `--flag.key value` (or `--flag.key=value`) sets one
+    key of --flag's object, `--flag.a.b value` a nested one; a value is JSON where it parses, else a
+    string. The keys given for one flag merge (the later one wins) into a single `--flag=JSON`,
+    where the first of them stood. Other tokens, and a dotted name whose base is no JSON-object
+    flag, are left for argparse (which refuses an unknown flag)."""
+    out: list = []
+    merged: dict[str, dict] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            out += argv[i:]
+            break
+        name, eq, value = token.partition("=")
+        base, _, path = name.partition(".")
+        base = base.replace("_", "-")
+        if not (token.startswith("--") and path and base in json_flags):
+            out.append(token)
+            i += 1
+            continue
+        keys = path.split(".")
+        if "" in keys or (not eq and i + 1 >= len(argv)):
+            raise CliError(f"argument {name}: expected {base}.KEY VALUE")
+        value, i = (value, i + 1) if eq else (argv[i + 1], i + 2)
+        if base not in merged:
+            merged[base] = {}
+            out.append((base,))  # where the merged object goes
+        node = merged[base]
+        for key in keys[:-1]:
+            if not isinstance(node.get(key), dict):
+                node[key] = {}
+            node = node[key]
+        node[keys[-1]] = _dotted_value(value)
+    return [f"{t[0]}={json.dumps(merged[t[0]])}" if isinstance(t, tuple) else t for t in out]
+
+
 def _normalize_flags(argv: list[str]) -> list[str]:
     """vLLM also accepts --max_model_len; argparse only knows the dashed spelling."""
     out = []
@@ -285,7 +336,11 @@ def parse_args(
     The YAML flags are followed by the --config flag itself, so a list-valued flag from the file
     (nargs="+") can never swallow a positional MODEL written after it.
     """
-    argv = _normalize_flags(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = _normalize_flags(_expand_dotted(argv, _json_object_flags(parser)))
+    except CliError as e:
+        parser.error(str(e))
     ns = parser.parse_args(argv)
     if getattr(ns, "config", None) is None:
         return ns
