@@ -43,9 +43,11 @@ from jaxserve.entrypoints.openai.protocol import (
     now,
     validation_message,
 )
+from jaxserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from jaxserve.entrypoints.openai.server_args import ServerArgs
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxserve.entrypoints.openai.tls import ssl_context, ssl_refresher
 from jaxserve.entrypoints.openai.user_middleware import load_middleware
 from jaxserve.lora.modules import LoRAModules, parse_lora_modules
@@ -99,6 +101,7 @@ class _Routes:
             engine.check_lora(self.loras.add(name, path, base))  # a bad adapter stops the start
         self.completion = OpenAIServingCompletion(engine, args, self.loras)
         self.chat = OpenAIServingChat(engine, args, self.loras)
+        self.responses = OpenAIServingResponses(self.chat)
 
     def add_to(self, router: web.UrlDispatcher, prefix: str = "") -> None:
         r = router
@@ -109,6 +112,8 @@ class _Routes:
         r.add_get(prefix + "/v1/models", self.models)
         r.add_post(prefix + "/v1/completions", self.completions)
         r.add_post(prefix + "/v1/chat/completions", self.chat_completions)
+        r.add_post(prefix + "/v1/responses", self.create_response)
+        r.add_get(prefix + "/v1/responses/{response_id}", self.retrieve_response)
         r.add_post(prefix + "/tokenize", self.tokenize)
         r.add_post(prefix + "/detokenize", self.detokenize)
         if self.args.enable_server_load_tracking:
@@ -221,6 +226,16 @@ class _Routes:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self.chat.create(await _parse(request, ChatCompletionRequest), request)
+
+    async def create_response(self, request: web.Request) -> web.StreamResponse:
+        return await self.responses.create(await _parse(request, ResponsesRequest), request)
+
+    async def retrieve_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        found = self.responses.retrieve(response_id)
+        if found is None:
+            return error_response(f"Response with id {response_id!r} not found.", 404)
+        return web.json_response(found)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         data = await read_json_object(request)

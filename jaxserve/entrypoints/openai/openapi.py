@@ -19,6 +19,7 @@ from jaxserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeCompletionRequest,
 )
+from jaxserve.entrypoints.openai.responses_protocol import ResponsesRequest
 
 
 def _body(model: type[BaseModel], schemas: dict) -> dict:
@@ -66,6 +67,16 @@ def openapi_document(root_path: str | None = None) -> dict:
         },
         "/v1/chat/completions": {
             "post": {"summary": "Create chat completion", **body(ChatCompletionRequest), **generation}
+        },
+        "/v1/responses": {"post": {"summary": "Create response", **body(ResponsesRequest), **generation}},
+        "/v1/responses/{response_id}": {
+            "get": {
+                "summary": "Retrieve response",
+                "parameters": [
+                    {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                **_answers("application/json", errors=("404",)),
+            }
         },
         "/tokenize": {
             "post": {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 from aiohttp import web
 
@@ -24,6 +25,25 @@ from jaxserve.entrypoints.openai.sse import sse_response
 from jaxserve.entrypoints.openai.structured_outputs import structured_outputs_field, structured_outputs_params
 from jaxserve.outputs import RequestOutput
 from jaxserve.reasoning import get_reasoning_parser
+
+
+class ChatRun(NamedTuple):
+    """A queued chat request: its id, the model name it answers as, its prompt's length, its
+    outputs as they come (tagged with the prompt's index, 0) and what shapes its reply."""
+
+    request_id: str
+    model: str
+    prompt_tokens: int
+    outputs: AsyncIterator[tuple[int, RequestOutput]]
+    reply: ChatReply
+
+
+async def last_output(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> RequestOutput:
+    final: RequestOutput | None = None
+    async with contextlib.aclosing(outputs) as gen:
+        async for _, out in gen:
+            final = out
+    return final
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -47,6 +67,40 @@ class OpenAIServingChat(OpenAIServing):
         return await asyncio.to_thread(render)
 
     async def create(self, body: ChatCompletionRequest, raw: web.Request) -> web.StreamResponse:
+        run = await self.start(body, raw, "chatcmpl")
+        request_id, model, prompt_tokens, outputs, reply = run
+        head = {"id": request_id, "object": "chat.completion", "created": now(), "model": model}
+        role = self.role(body)
+        echo = self._echo_text(body, role)
+        if body.stream:
+            head["object"] = "chat.completion.chunk"
+            return await sse_response(
+                raw, self._chunks(body, head, role, echo, prompt_tokens, outputs, reply)
+            )
+        final = await last_output(outputs)
+        choices = []
+        for c in final.outputs:
+            fields, finish_reason = reply.message(c.text, c.finish_reason)
+            if echo:
+                fields["content"] = echo + (fields["content"] or "")
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": {"role": role, **fields},
+                    "logprobs": self._logprobs(body, c.token_ids, c.logprobs),
+                    "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        usage = self.usage(prompt_tokens, completion_tokens, final.num_cached_tokens)
+        return web.json_response(
+            {**head, "choices": choices, "usage": usage, "prompt_logprobs": prompt_logprobs(final)}
+        )
+
+    async def start(self, body: ChatCompletionRequest, raw: web.Request, id_prefix: str) -> ChatRun:
+        """Check the request, render and tokenize its conversation and queue it: everything but
+        shaping the answer (also the Responses API's way in)."""
         model = self.model_name(body.model)
         body.check_stream_options()
         body.check_logprobs()
@@ -69,43 +123,13 @@ class OpenAIServingChat(OpenAIServing):
         if tools is not None and tools.keeps_special_tokens:  # its markers are special tokens
             params.skip_special_tokens = False
         reply = self._reply(body, prompt, tools, mode == "named")
-        request_id = self.request_id(raw, body, "chatcmpl")
+        request_id = self.request_id(raw, body, id_prefix)
         self.log_request(request_id, prompt, params)
         beams = [body.to_beam_search_params(params.max_tokens, constraint)]
         outputs = self.generate_all(
             request_id, [prompt], [params], body.priority, beams, model, trace_headers(raw.headers)
         )
-        head = {"id": request_id, "object": "chat.completion", "created": now(), "model": model}
-        role = self.role(body)
-        echo = self._echo_text(body, role)
-        if body.stream:
-            head["object"] = "chat.completion.chunk"
-            return await sse_response(
-                raw, self._chunks(body, head, role, echo, prompt_tokens, outputs, reply)
-            )
-        final: RequestOutput | None = None
-        async with contextlib.aclosing(outputs) as gen:
-            async for _, out in gen:
-                final = out
-        choices = []
-        for c in final.outputs:
-            fields, finish_reason = reply.message(c.text, c.finish_reason)
-            if echo:
-                fields["content"] = echo + (fields["content"] or "")
-            choices.append(
-                {
-                    "index": c.index,
-                    "message": {"role": role, **fields},
-                    "logprobs": self._logprobs(body, c.token_ids, c.logprobs),
-                    "finish_reason": finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
-        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        usage = self.usage(prompt_tokens, completion_tokens, final.num_cached_tokens)
-        return web.json_response(
-            {**head, "choices": choices, "usage": usage, "prompt_logprobs": prompt_logprobs(final)}
-        )
+        return ChatRun(request_id, model, prompt_tokens, outputs, reply)
 
     def _reply(self, body: ChatCompletionRequest, prompt: Prompt, tools, forced_function: bool) -> ChatReply:
         ended = False
