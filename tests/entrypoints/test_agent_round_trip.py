@@ -13,6 +13,7 @@ import pytest
 from aiohttp import ClientSession
 from server_inputs import MODEL
 from tiny_models import engine_kwargs
+from tool_schemas import TIME
 
 from jaxserve.args import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
@@ -20,19 +21,6 @@ from jaxserve.entrypoints.openai.chat_prompt import render_chat_prompt
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest
 
 TEMPLATES = Path(__file__).parent.parent / "fixtures" / "chat_templates"
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "The time in a zone.",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
 QUESTION = "What time is it in Zurich?"
 RESULT = "It is 14:05 there."
 

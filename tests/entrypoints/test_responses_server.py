@@ -11,18 +11,10 @@ import openai
 import pytest
 from aiohttp import ClientSession
 from server_inputs import MODEL
+from tool_schemas import TIME as CHAT_TIME
+from tool_schemas import flat
 
-TIME = {
-    "type": "function",
-    "name": "get_time",
-    "description": "The time in a zone.",
-    "parameters": {
-        "type": "object",
-        "properties": {"zone": {"enum": ["UTC", "CET"]}},
-        "required": ["zone"],
-        "additionalProperties": False,
-    },
-}
+TIME = flat(CHAT_TIME)
 
 
 async def _prompt_tokens(client: openai.AsyncOpenAI, messages: list[dict], tools: list | None = None) -> int:
@@ -52,7 +44,13 @@ async def test_a_response_is_the_chat_completion_of_its_input(sdk):
 
 async def test_streamed_events_add_up_to_the_response(sdk):
     c = await sdk()
-    kwargs = dict(model=MODEL, input="Once upon a time", max_output_tokens=12, temperature=1.0, extra_body={"seed": 4, "ignore_eos": True})
+    kwargs = dict(
+        model=MODEL,
+        input="Once upon a time",
+        max_output_tokens=12,
+        temperature=1.0,
+        extra_body={"seed": 4, "ignore_eos": True},
+    )
     whole = await c.responses.create(**kwargs)
     events = [e async for e in await c.responses.create(stream=True, **kwargs)]
     assert [e.sequence_number for e in events] == list(range(len(events)))
@@ -94,8 +92,7 @@ async def test_a_function_call_and_its_output_across_two_turns(sdk, stream):
             {"id": call.call_id, "type": "function", "function": {"name": "get_time", "arguments": call.arguments}}]},
         {"role": "tool", "tool_call_id": call.call_id, "content": f"14:05 {zone}"},
     ]  # fmt: skip
-    chat_tools = [{"type": "function", "function": {k: v for k, v in TIME.items() if k != "type"}}]
-    assert second.usage.input_tokens == await _prompt_tokens(c, as_chat, chat_tools)
+    assert second.usage.input_tokens == await _prompt_tokens(c, as_chat, [CHAT_TIME])
 
 
 async def test_input_items_and_a_json_schema_format(sdk):

@@ -184,7 +184,9 @@ async def test_auto_tool_choice_parses_the_models_own_format(sdk, parallel):
     parallel_tool_calls false, only the first of two."""
     c = await sdk(enable_auto_tool_choice=True, tool_call_parser="hermes")
     regex = '<tool_call>\n\\{"name": "get_time", "arguments": \\{"zone": "(UTC|CET)"\\}\\}\n</tool_call>'
-    regex += "" if parallel is None else "\n" + regex.replace("get_time", "get_weather").replace("zone", "city")
+    regex += (
+        "" if parallel is None else "\n" + regex.replace("get_time", "get_weather").replace("zone", "city")
+    )
     kwargs = dict(model=MODEL, messages=USER, tools=[WEATHER, TIME], temperature=1.0, seed=2, max_tokens=200,
                   parallel_tool_calls=parallel, extra_body={"structured_outputs": {"regex": regex}})  # fmt: skip
     whole = (await c.chat.completions.create(**kwargs)).choices[0]

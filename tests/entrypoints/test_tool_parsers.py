@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from tiny_models import make_tokenizer
+from tool_schemas import WEATHER as WEATHER_TOOL
 
 from jaxserve.entrypoints.openai import tool_parsers
 from jaxserve.entrypoints.openai.chat_prompt import render_chat_prompt
@@ -296,20 +297,7 @@ def test_plugin(tmp_path, monkeypatch):
 
 # round trip through each family's chat template
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather of a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
+TOOLS = [WEATHER_TOOL]
 ROME = {"city": "Rome", "days": 1}
 
 # family: (template, parser, end of an assistant turn, how the call's arguments render, parallel calls)

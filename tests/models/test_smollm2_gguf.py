@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 from reference_checks import assert_greedy_generation_matches, prompt_logits, teacher_forced_logits
+from tool_schemas import TIME, WEATHER
 
 from jaxserve import LLM, SamplingParams
 
@@ -67,32 +68,6 @@ def test_chat_answers_paris(llm):
     )[0].outputs[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"
-
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-            "required": ["city"],
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "The time in a zone.",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-        },
-    },
-}
 
 
 @pytest.mark.parametrize("choice", ["required", "get_weather"])
