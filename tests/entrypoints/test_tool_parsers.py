@@ -92,7 +92,8 @@ def check(name: str, text: str, content: str | None, calls: list[tuple[str, dict
 
 
 def test_registry_and_unknown_name():
-    assert {"hermes", "llama3_json", "mistral", "pythonic"} <= set(tool_parser_names())
+    assert {"hermes", "llama3_json", "mistral", "pythonic", "granite", "phi4_mini_json", "internlm",
+            "deepseek_v3", "qwen3_coder"} <= set(tool_parser_names())  # fmt: skip
     with pytest.raises(ValueError, match="no_such_parser.*hermes.*mistral"):
         get_tool_parser("no_such_parser")
 
@@ -293,6 +294,60 @@ def test_plugin(tmp_path, monkeypatch):
     bad.write_text("def broken(:\n")
     with pytest.raises(ValueError, match=re.escape(str(bad))):
         import_tool_parser_plugin(str(bad))
+
+
+# granite, phi4_mini_json, internlm, deepseek_v3, qwen3_coder: each model's own output format
+
+
+def test_granite_array_after_its_marker_both_spellings():
+    for marker in ("<|tool_call|>", "<tool_call>"):
+        text = marker + json.dumps(
+            [{"name": "get_weather", "arguments": WEATHER}, {"name": "f", "arguments": {}}]
+        )
+        check("granite", text, None, [("get_weather", WEATHER), ("f", {})])
+    check("granite", "No tool is needed: it is 4.", "No tool is needed: it is 4.", [])
+    check("granite", "<|tool_call|>not json", "<|tool_call|>not json", [])
+    assert get_tool_parser("granite").keeps_special_tokens
+
+
+def test_phi4_mini_functools_array_after_text():
+    text = 'Let me look. functools[{"name": "get_weather", "arguments": ' + json.dumps(TRICKY) + "}]"
+    check("phi4_mini_json", text, "Let me look. ", [("get_weather", TRICKY)])
+    check("phi4_mini_json", "functional programming", "functional programming", [])
+
+
+def test_internlm_action_markers():
+    call = json.dumps({"name": "get_weather", "parameters": WEATHER})
+    text = f"I will check the weather.<|action_start|><|plugin|>\n{call}<|action_end|>\n"
+    check("internlm", text, "I will check the weather.", [("get_weather", WEATHER)])
+    assert get_tool_parser("internlm").keeps_special_tokens
+
+
+def _deepseek(name: str, args: dict) -> str:
+    return f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{json.dumps(args)}\n```<｜tool▁call▁end｜>"
+
+
+def test_deepseek_v3_calls_between_their_markers():
+    calls = _deepseek("get_weather", WEATHER) + "\n" + _deepseek("lookup", TRICKY)
+    text = f"Checking both.<｜tool▁calls▁begin｜>{calls}<｜tool▁calls▁end｜>"
+    check("deepseek_v3", text, "Checking both.", [("get_weather", WEATHER), ("lookup", TRICKY)])
+    broken = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\nnot a fence"
+    check("deepseek_v3", broken, broken, [], streams_calls=False)
+    assert get_tool_parser("deepseek_v3").keeps_special_tokens
+
+
+def _qwen3_coder(name: str, params: dict) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def test_qwen3_coder_xml_parameters_become_json_arguments():
+    params = {"city": "Paris, France", "days": "3", "filters": '{"rain": true}', "note": 'x < y & "z"'}
+    text = "Sure.\n" + _qwen3_coder("get_weather", params) + "\n" + _qwen3_coder("now", {})
+    expected = {"city": "Paris, France", "days": 3, "filters": {"rain": True}, "note": 'x < y & "z"'}
+    check("qwen3_coder", text, "Sure.\n", [("get_weather", expected), ("now", {})])
+    unfinished = "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"
+    check("qwen3_coder", unfinished, unfinished, [], streams_calls=False)
 
 
 # round trip through each family's chat template

@@ -17,16 +17,25 @@ from jaxserve.entrypoints.openai.tool_parsers.base import (
     ToolParser,
     make_tool_call_id,
 )
+from jaxserve.entrypoints.openai.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from jaxserve.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from jaxserve.entrypoints.openai.tool_parsers.internlm import InternLMToolParser
+from jaxserve.entrypoints.openai.tool_parsers.json_array import GraniteToolParser, Phi4MiniJsonToolParser
 from jaxserve.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from jaxserve.entrypoints.openai.tool_parsers.mistral import MistralToolParser
 from jaxserve.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
+from jaxserve.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 __all__ = [
+    "DeepSeekV3ToolParser",
+    "GraniteToolParser",
     "HermesToolParser",
+    "InternLMToolParser",
     "Llama3JsonToolParser",
     "MistralToolParser",
+    "Phi4MiniJsonToolParser",
     "PythonicToolParser",
+    "Qwen3CoderToolParser",
     "ParsedCall",
     "ParsedText",
     "ToolCallStream",
@@ -82,3 +91,8 @@ register_tool_parser("hermes")(HermesToolParser)
 register_tool_parser("llama3_json")(Llama3JsonToolParser)
 register_tool_parser("mistral")(MistralToolParser)
 register_tool_parser("pythonic")(PythonicToolParser)
+register_tool_parser("deepseek_v3")(DeepSeekV3ToolParser)
+register_tool_parser("granite")(GraniteToolParser)
+register_tool_parser("internlm")(InternLMToolParser)
+register_tool_parser("phi4_mini_json")(Phi4MiniJsonToolParser)
+register_tool_parser("qwen3_coder")(Qwen3CoderToolParser)
