@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 from jaxserve.reasoning.base import ReasoningParser
 from jaxserve.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from jaxserve.reasoning.glm45 import Glm45ReasoningParser
+from jaxserve.reasoning.granite import GraniteReasoningParser
 from jaxserve.reasoning.qwen3 import Qwen3ReasoningParser
 from jaxserve.reasoning.stream import ReasoningStream
 
@@ -14,6 +16,8 @@ __all__ = [
     "ReasoningParser",
     "ReasoningStream",
     "DeepSeekR1ReasoningParser",
+    "Glm45ReasoningParser",
+    "GraniteReasoningParser",
     "Qwen3ReasoningParser",
     "register_reasoning_parser",
     "get_reasoning_parser",
@@ -47,3 +51,5 @@ def reasoning_parser_names() -> list[str]:
 
 register_reasoning_parser("deepseek_r1")(DeepSeekR1ReasoningParser)
 register_reasoning_parser("qwen3")(Qwen3ReasoningParser)
+register_reasoning_parser("glm45")(Glm45ReasoningParser)
+register_reasoning_parser("granite")(GraniteReasoningParser)

@@ -206,7 +206,8 @@ class GrammarCompiler:
         if parser is None:
             state = RequestGrammar(matcher)
         else:
-            state = RequestGrammar(matcher, parser.end_token_id, parser.is_reasoning_end(prompt_token_ids))
+            ended = parser.end_token_id is None or parser.is_reasoning_end(prompt_token_ids)
+            state = RequestGrammar(matcher, parser.end_token_id, ended)
         for token in accepted:
             state.accept(token)
         if matcher.is_error():
