@@ -94,6 +94,16 @@ async def test_a_function_call_and_its_output_across_two_turns(sdk, stream):
     ]  # fmt: skip
     assert second.usage.input_tokens == await _prompt_tokens(c, as_chat, [CHAT_TIME])
 
+    # statelessly, as agents with store=False run: the first output items sent back as input
+    items = [{"role": "user", "content": question}, *first.output]
+    items.append({"type": "function_call_output", "call_id": call.call_id, "output": f"14:05 {zone}"})
+    again = await c.responses.create(
+        model=MODEL, input=items, tools=[TIME], tool_choice="none", max_output_tokens=4, store=False
+    )
+    assert again.usage.input_tokens == second.usage.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        await c.responses.retrieve(again.id)
+
 
 async def test_input_items_and_a_json_schema_format(sdk):
     c = await sdk()
