@@ -27,6 +27,7 @@ RESULT = "It is 14:05 there."
 # template: (--tool-call-parser of the model's own format, whether the template renders calls)
 FAMILIES = {
     "smollm2": (None, False),  # the default model's: no tools, an assistant turn is its content
+    "phi3": (None, False),  # Phi-3's: no tools, and tool results are left out of the prompt
     "qwen2.5": ("hermes", True),
     "qwen3": ("hermes", True),
     "llama3.1_json": ("llama3_json", True),
@@ -97,6 +98,9 @@ async def test_a_tool_round_trip_through_the_sdk(sdk, family):
     sent = [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages]
     prompt, length = await _rendered(base, sent, template)
     assert final.usage.prompt_tokens == length
+    if family == "phi3":
+        assert RESULT not in prompt and prompt.count("<|assistant|>") == 2
+        return
     assert prompt.index(QUESTION) < prompt.index(RESULT)
     if renders_calls:  # the call sits between the question and its result
         assert prompt.index(QUESTION) < prompt.rindex(zone) < prompt.index(RESULT)
@@ -154,3 +158,31 @@ def test_qwen3_reads_the_reasoning_of_an_assistant_turn_that_called_a_tool():
         f"<|im_start|>user\n<tool_response>\n{RESULT}\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
     ) in prompt
+
+
+async def test_a_template_that_refuses_tool_turns_answers_400_with_its_reason(sdk):
+    """Gemma's template admits only alternating user and model turns: a tool result is the
+    client's request for something the model's template cannot render, a 400 naming why."""
+    import openai
+
+    client = await sdk()
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}
+    messages = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": RESULT},
+    ]
+    template = (TEMPLATES / "gemma.jinja").read_text()
+    with pytest.raises(openai.BadRequestError, match="roles must alternate"):
+        await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=[TIME],
+            tool_choice="none",
+            max_tokens=2,
+            extra_body={"chat_template": template},
+        )
+    ok = await client.chat.completions.create(
+        model=MODEL, messages=messages[:1], max_tokens=2, extra_body={"chat_template": template}
+    )
+    assert ok.usage.prompt_tokens > 0

@@ -149,3 +149,47 @@ async def test_what_cannot_be_served_is_a_400_naming_its_field(sdk, fields, para
     assert e.value.body["param"] == param
     with pytest.raises(openai.NotFoundError):
         await c.responses.retrieve("resp_nope")
+
+
+def test_streamed_items_open_and_close_in_order_and_match_the_whole_reply():
+    """A reply's deltas (reasoning, then text, then two calls) as events: one item open at a time,
+    each closed by its done events before the next opens, and the items at the end are the ones
+    the whole reply gives."""
+    from jaxserve.entrypoints.openai.serving_responses import _StreamedItems, output_items
+
+    sequence = iter(range(1000))
+    items = _StreamedItems(lambda kind, **f: {"type": kind, "sequence_number": next(sequence), **f})
+    call = {"type": "function", "function": {"name": "get_time", "arguments": ""}}
+    deltas = [
+        {"reasoning_content": "Zurich is ", "reasoning": "Zurich is "},
+        {"reasoning_content": "in CET.", "reasoning": "in CET."},
+        {"content": "Checking."},
+        {
+            "tool_calls": [
+                {"index": 0, "id": "c1", **call},
+                {"index": 0, "function": {"arguments": '{"zone": '}},
+            ]
+        },
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"CET"}'}}, {"index": 1, "id": "c2", **call}]},
+        {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]},
+    ]
+    events = [e for d in deltas for e in items.add(d)] + items.close()
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    opened = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+    closed = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+    assert opened == closed == [0, 1, 2, 3]
+    for index in range(4):  # every event of an item lies between its added and its done
+        spans = [i for i, e in enumerate(events) if e.get("output_index") == index]
+        assert events[spans[0]]["type"] == "response.output_item.added"
+        assert events[spans[-1]]["type"] == "response.output_item.done"
+        assert spans == list(range(spans[0], spans[-1] + 1))
+    whole = output_items({
+        "reasoning": "Zurich is in CET.",
+        "content": "Checking.",
+        "tool_calls": [{"id": "c1", **{**call, "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}},
+                       {"id": "c2", **{**call, "function": {"name": "get_time", "arguments": "{}"}}}],
+    })  # fmt: skip
+    strip = lambda items: [{k: v for k, v in i.items() if k != "id"} for i in items]  # noqa: E731
+    assert strip(items.done) == strip(whole)
+    texts = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+    assert texts == ["Zurich is ", "in CET."]
