@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from jaxserve.entrypoints.openai.protocol import now
+from jaxserve.entrypoints.openai.protocol import bad_request, now
 from jaxserve.entrypoints.openai.responses_protocol import ResponsesRequest, input_messages
 from jaxserve.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat, last_output
 from jaxserve.entrypoints.openai.sse import sse_response
@@ -106,9 +106,10 @@ class OpenAIServingResponses:
         if body.previous_response_id is not None:
             stored = self.store.get(body.previous_response_id)
             if stored is None:
-                err = ValueError(f"Previous response with id {body.previous_response_id!r} not found.")
-                err.param = "previous_response_id"
-                raise err
+                raise bad_request(
+                    f"Previous response with id {body.previous_response_id!r} not found.",
+                    "previous_response_id",
+                )
             history = stored[0]
         conversation = history + input_messages(body.input)
         run = await self.chat.start(body.to_chat(history), raw, "resp")
