@@ -431,8 +431,9 @@ class EngineArgsFields:
     speculative_config: dict | str | None = arg(
         G.SPEC,
         None,
-        "JSON object: vLLM's speculative decoding (ngram prompt lookup or a draft model).",
-        tier="B",
+        "JSON object: speculative decoding, as vLLM's: method ngram (num_speculative_tokens, "
+        "prompt_lookup_min, prompt_lookup_max) or suffix (suffix_decoding_max_tree_depth, "
+        "suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob).",
     )
     # ---- ObservabilityConfig
     otlp_traces_endpoint: str | None = arg(

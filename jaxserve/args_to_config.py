@@ -12,6 +12,7 @@ import os
 
 from jaxserve.args_fields import EngineArgsFields
 from jaxserve.config import (
+    SPECULATIVE_METHODS,
     CacheConfig,
     CompilationConfig,
     EngineConfig,
@@ -19,6 +20,7 @@ from jaxserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
 )
 from jaxserve.engine.tracing import exporter_class
@@ -67,6 +69,7 @@ def validate(args: EngineArgsFields) -> None:
         exporter_class()  # the packages and the protocol are there
     _check_kv_scales(args)
     _check_rope(args)
+    speculative_config(args.speculative_config)
     _check_distributed(args)
     if _structured_outputs_config(args).disable_fallback and not args.guided_decoding_disable_fallback:
         warnings.append(
@@ -179,7 +182,73 @@ def build_engine_config(args: EngineArgsFields) -> EngineConfig:
         structured_outputs_config=_structured_outputs_config(args),
         lora_config=_lora_config(args),
         otlp_traces_endpoint=args.otlp_traces_endpoint or None,
+        speculative_config=speculative_config(args.speculative_config, scheduler_config),
     )
+
+
+def speculative_config(value, scheduler: SchedulerConfig | None = None) -> SpeculativeConfig | None:
+    """--speculative-config as vLLM reads it (a JSON object; `model: "ngram"` names the method
+    too), checked: the method is one jaxserve runs, every key is one it honours, the numbers are
+    in range."""
+    given = dict(as_dict(value, "speculative_config"))
+    if not given:
+        return None
+    method = given.pop("method", None)
+    model = given.pop("model", None)
+    if method is None and model is not None:
+        method = "ngram" if model in ("ngram", "[ngram]") else "draft_model"
+    if method is None:
+        raise ValueError(
+            "--speculative-config needs a method (supported: " + ", ".join(SPECULATIVE_METHODS) + ")."
+        )
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(
+            f"--speculative-config method {method!r} is not supported by jaxserve; supported: "
+            + ", ".join(SPECULATIVE_METHODS)
+            + "."
+        )
+    if model not in (None, "ngram", "[ngram]"):
+        raise ValueError(f"--speculative-config method {method!r} takes no model (got {model!r}).")
+    known = {f.name for f in dataclasses.fields(SpeculativeConfig)} - {"method"}
+    prefix = "suffix_decoding_" if method == "suffix" else "prompt_lookup_"
+    honoured = {k for k in known if k.startswith(prefix) or k == "num_speculative_tokens"}
+    if set(given) - honoured:
+        raise ValueError(
+            f"--speculative-config keys {sorted(set(given) - honoured)} do not apply to method {method!r}; "
+            f"it takes {sorted(honoured)}."
+        )
+    if method == "ngram":
+        low, high = given.get("prompt_lookup_min"), given.get("prompt_lookup_max")
+        given["prompt_lookup_min"] = low if low is not None else (high if high is not None else 5)
+        given["prompt_lookup_max"] = high if high is not None else given["prompt_lookup_min"]
+        if "num_speculative_tokens" not in given:
+            raise ValueError("--speculative-config method 'ngram' needs num_speculative_tokens.")
+    else:
+        given.setdefault("num_speculative_tokens", given.get("suffix_decoding_max_tree_depth", 24))
+    config = SpeculativeConfig(method=method, **given)
+    _check_speculative_numbers(config, scheduler)
+    return config
+
+
+def _check_speculative_numbers(config: SpeculativeConfig, scheduler: SchedulerConfig | None) -> None:
+    def check(name: str, ok, what: str) -> None:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+            raise ValueError(f"--speculative-config {name} must be {what}, got {value!r}.")
+
+    # a step holds the last token and the proposals
+    most = scheduler.max_num_batched_tokens - 1 if scheduler is not None else 2**31
+    check("num_speculative_tokens", lambda v: v == int(v) and 1 <= v <= most, f"an integer in [1, {most}]")
+    check("prompt_lookup_min", lambda v: v == int(v) and v >= 1, "an integer >= 1")
+    check(
+        "prompt_lookup_max",
+        lambda v: v == int(v) and v >= config.prompt_lookup_min,
+        "an integer >= prompt_lookup_min",
+    )
+    check("suffix_decoding_max_tree_depth", lambda v: v == int(v) and v >= 1, "an integer >= 1")
+    check("suffix_decoding_max_cached_requests", lambda v: v == int(v) and v >= 0, "an integer >= 0")
+    check("suffix_decoding_max_spec_factor", lambda v: v > 0, "> 0")
+    check("suffix_decoding_min_token_prob", lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
 def _check_quantization_source(flag: str | None, model_config: ModelConfig) -> None:

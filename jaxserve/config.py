@@ -164,6 +164,26 @@ class StructuredOutputsConfig:
     reasoning_parser: str = ""
 
 
+# --speculative-config methods jaxserve runs: proposals from the request's own tokens, on the host.
+SPECULATIVE_METHODS = ("ngram", "suffix")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's --speculative-config): each decoding request is fed up to
+    num_speculative_tokens proposed tokens after its last one, and the step keeps those its own
+    sampling agrees with, plus one more (runner/step.py verify)."""
+
+    method: str  # one of SPECULATIVE_METHODS
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5  # ngram: shortest suffix of the text matched earlier in it
+    prompt_lookup_max: int = 5  # ngram: longest
+    suffix_decoding_max_tree_depth: int = 24  # suffix: longest context matched and proposal made
+    suffix_decoding_max_cached_requests: int = 10000  # suffix: finished outputs kept to match
+    suffix_decoding_max_spec_factor: float = 1.0  # suffix: proposal length <= factor x match length
+    suffix_decoding_min_token_prob: float = 0.1  # suffix: stop at a continuation rarer than this
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -174,3 +194,4 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     lora_config: LoRAConfig | None = None  # None: no LoRA slots
     otlp_traces_endpoint: str | None = None  # where request spans go (engine/tracing.py)
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding

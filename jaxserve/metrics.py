@@ -69,6 +69,17 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Generation tokens processed.")
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Rows fed proposed tokens.")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Proposed tokens fed.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Proposed tokens kept."
+        )
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens kept, by their position among a row's proposals.",
+            ["model_name", "position"],
+            registry=r,
+        )
         self._request_success = Counter(
             PREFIX + "request_success",
             "Successfully finished requests.",
@@ -121,6 +132,8 @@ class EngineMetrics:
         self.prefix_cache_queries.inc(max(sched.prefix_cache_queries - self._last.prefix_cache_queries, 0))
         self.prefix_cache_hits.inc(max(sched.prefix_cache_hits - self._last.prefix_cache_hits, 0))
         self.num_preemptions.inc(max(sched.num_preemptions - self._last.num_preemptions, 0))
+        if sched.spec is not None:
+            self._record_spec(sched.spec.since(self._last.spec))
         self._last = sched
         if self._lora_info is not None:
             self._lora_info.clear()
@@ -142,6 +155,13 @@ class EngineMetrics:
                 self.request_queue_time.observe(done.queue_time)
             self.request_prompt_tokens.observe(done.num_prompt_tokens)
             self.request_generation_tokens.observe(done.num_generation_tokens)
+
+    def _record_spec(self, new) -> None:
+        self.spec_decode_num_drafts.inc(new.num_drafts)
+        self.spec_decode_num_draft_tokens.inc(new.num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(new.num_accepted_tokens)
+        for position, n in enumerate(new.accepted_per_pos):
+            self.spec_decode_num_accepted_tokens_per_pos.labels(self.model_name, str(position)).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -182,5 +202,9 @@ class StatsLogger:
             f"KV cache usage: {100 * sched.kv_cache_usage:.1f}%, "
             f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
         )
+        if sched.spec is not None:
+            spec = sched.spec.since(start.spec)
+            if spec.num_drafts:
+                line += "\n" + spec.line()
         self._prompt_tokens = self._generation_tokens = 0
         return line

@@ -116,6 +116,10 @@ class ScheduledSeq(NamedTuple):
     # runner feeds the token from the previous step's device output). -1: every token is known.
     feed_from_row: int = -1
     lora_slot: int = -1  # the device LoRA slot of the request's adapter; -1: the base model
+    # Speculative decoding: the last num_drafts of token_ids are proposed, not known, tokens. The
+    # row samples at its last num_drafts + 1 tokens and keeps the samples up to the first one
+    # that differs from the proposal after it (ModelRunnerOutput.num_sampled).
+    num_drafts: int = 0
 
     @property
     def num_new(self) -> int:
@@ -159,12 +163,19 @@ class TopLogprobs(NamedTuple, Generic[ArrayT]):
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
+    """A step's tokens: each request that sampled gets one or more (several where it was fed
+    proposed tokens), back to back in req_ids' order, with one logprob (and ranked row) each."""
+
     req_ids: tuple[str, ...]  # requests that sampled a token this step, in SchedulerOutput order
-    sampled_token_ids: np.ndarray  # [num_sampled] int32
-    logprobs: np.ndarray  # [num_sampled] float32, log-probability of each sampled token
-    top_logprobs: TopLogprobs[np.ndarray] | None = None  # rows as req_ids, when some row asked for logprobs
+    sampled_token_ids: np.ndarray  # [total tokens] int32
+    logprobs: np.ndarray  # [total tokens] float32, log-probability of each sampled token
+    top_logprobs: TopLogprobs[np.ndarray] | None = (
+        None  # rows as the tokens, when some row asked for logprobs
+    )
     # request id -> the ranked logprobs of the prompt_logprob_targets fed this step
     prompt_logprobs: dict[str, TopLogprobs[np.ndarray]] = field(default_factory=dict)
+    # [len(req_ids)] int32: tokens of each request, >= 1; None: one each (no row had proposals)
+    num_sampled: np.ndarray | None = None
 
 
 @runtime_checkable

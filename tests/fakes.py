@@ -57,7 +57,7 @@ class FakeModel:
 
     def __call__(self, out: SchedulerOutput) -> ModelRunnerOutput:
         bs = self.block_size
-        req_ids, tokens, sampled = [], [], {}
+        req_ids, tokens, sampled, counts = [], [], {}, []
         for row, seq in enumerate(out.seqs):
             req = self.scheduler.requests.get(seq.request_id) or self.seen[seq.request_id]
             self.seen[seq.request_id] = req
@@ -70,6 +70,9 @@ class FakeModel:
                 assert fed[-1] == PLACEHOLDER_TOKEN and end == req.num_tokens + 1
                 fed[-1] = self.last_sampled[seq.feed_from_row]
                 expected = expected + [fed[-1]]
+            if seq.num_drafts:  # proposed tokens follow the request's own
+                assert seq.feed_from_row < 0 and seq.sampling is not None
+                expected = expected + fed[-seq.num_drafts :]
             assert fed == expected[seq.start_pos : end]
             for pos, token in enumerate(fed, start=seq.start_pos):
                 self.kv[(seq.block_ids[pos // bs], pos % bs)] = token
@@ -80,7 +83,9 @@ class FakeModel:
                 assert seq.sampling.output_start == req.num_prompt_tokens
                 assert seq.sampling.seed == req.seed
                 req_ids.append(seq.request_id)
-                tokens.append(self.token_fn(req, context))
+                kept = self._verify(req, context, seq.num_drafts)
+                tokens += kept
+                counts.append(len(kept))
                 sampled[row] = tokens[-1]
             else:
                 assert end < len(expected)
@@ -89,7 +94,18 @@ class FakeModel:
             req_ids=tuple(req_ids),
             sampled_token_ids=np.asarray(tokens, np.int32),
             logprobs=np.full(len(tokens), -0.5, np.float32),
+            num_sampled=np.asarray(counts, np.int32) if any(s.num_drafts for s in out.seqs) else None,
         )
+
+    def _verify(self, req: Request, context: list[int], num_drafts: int) -> list[int]:
+        """The tokens sampled after the context's last num_drafts + 1 tokens, up to the first that
+        differs from the proposal after it (all of them without proposals: one)."""
+        kept = []
+        for j in range(num_drafts + 1):
+            kept.append(self.token_fn(req, context[: len(context) - num_drafts + j]))
+            if j == num_drafts or kept[-1] != context[len(context) - num_drafts + j]:
+                return kept
+        return kept
 
 
 class FakeRunner:

@@ -166,7 +166,12 @@ FLAGS = [
     ("--lora-extra-vocab-size", 256, "512", 512),
     ("--long-lora-scaling-factors", None, ["4.0", "8.0"], [4.0, 8.0]),
     # ---- SpeculativeConfig, DecodingConfig, ObservabilityConfig
-    ("--speculative-config", None, '{"method": "ngram"}', {"method": "ngram"}),
+    (
+        "--speculative-config",
+        None,
+        '{"method": "ngram", "num_speculative_tokens": 3}',
+        {"method": "ngram", "num_speculative_tokens": 3},
+    ),
     ("--guided-decoding-backend", "auto", "guidance", "guidance"),
     ("--guided-decoding-disable-fallback", False, True, True),
     ("--guided-decoding-disable-any-whitespace", False, True, True),

@@ -330,7 +330,22 @@ def test_values_jaxserve_honours_start_without_a_warning(served, caplog, argv, n
         (["--lora-dtype", "float16"], "--lora-dtype"),
         (["--swap-space", "8"], "--swap-space"),
         (["--lora-extra-vocab-size", "512"], "--lora-extra-vocab-size"),
-        (["--speculative-config.method", "ngram"], "--speculative-config"),
+        (["--speculative-config.method", "ngram"], "num_speculative_tokens"),
+        (["--speculative-config", '{"method": "eagle3", "model": "x"}'], "'eagle3' is not supported"),
+        (["--speculative-config", '{"model": "org/draft"}'], "'draft_model' is not supported"),
+        (
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+            "num_speculative_tokens",
+        ),
+        (
+            [
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, '
+                '"prompt_lookup_max": 2}',
+            ],
+            "prompt_lookup_max",
+        ),
+        (["--speculative-config", '{"method": "suffix", "prompt_lookup_max": 2}'], "do not apply"),
         (["--task", "embed"], "--task"),
         (["--model-impl", "transformers"], "--model-impl"),
         (["--config-format", "mistral"], "--config-format"),

@@ -125,9 +125,13 @@ class Report:
         return out
 
 
-def programs_in_scope(buckets: Buckets, scope: str) -> list[tuple[tuple[int, int], StepVariant]]:
-    """The (bucket, variant) pairs to compile, smallest bucket first."""
-    every, variants = buckets.all(), StepVariant.all()
+def programs_in_scope(
+    buckets: Buckets, scope: str, speculative: bool = False
+) -> list[tuple[tuple[int, int], StepVariant]]:
+    """The (bucket, variant) pairs to compile, smallest bucket first; the verify kind's only for
+    an engine with speculative decoding (`speculative`), which is all that ever runs them."""
+    every = buckets.all()
+    variants = [v for v in StepVariant.all() if speculative or v.kind == "generate"]
     ends = [every[0], every[-1]] if len(every) > 1 else every
     if scope == "all":
         return [(b, v) for b in every for v in variants]
@@ -140,7 +144,11 @@ def programs_in_scope(buckets: Buckets, scope: str) -> list[tuple[tuple[int, int
 
 
 def variant_name(variant: StepVariant) -> str:
-    on = [f.name.removeprefix("with_") for f in dataclasses.fields(variant) if getattr(variant, f.name)]
+    on = [
+        f.name.removeprefix("with_") for f in dataclasses.fields(variant) if getattr(variant, f.name) is True
+    ]
+    if variant.kind != "generate":
+        on.insert(0, variant.kind)
     return "+".join(on) or "plain"
 
 
@@ -235,7 +243,7 @@ def check(
     }
     resident = report.weight_bytes + report.kv_pool_bytes  # held while a sample program runs
     with pallas_target(chip):
-        for bucket, variant in programs_in_scope(layout.buckets, scope):
+        for bucket, variant in programs_in_scope(layout.buckets, scope, layout.num_speculative_tokens > 0):
             for program in _compile(steps, bucket, variant, resident):
                 report.programs.append(program)
                 if progress is not None:

@@ -64,7 +64,8 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Add tokens; return the stop string if one now appears in the output (the text is
-        then already truncated), else None.
+        then already truncated, and num_output_tokens counts the tokens up to the one that
+        completed it), else None.
 
         stop_terminated: the request just finished on eos or a stop token id, the last of
         new_token_ids. As in vLLM that token's text is left out unless
@@ -72,6 +73,16 @@ class IncrementalDetokenizer:
         """
         if self.stop_string is not None or not new_token_ids:
             return None
+        if len(new_token_ids) > 1 and self.stop:  # a stop string may end before the last of them
+            last = len(new_token_ids) - 1
+            for i, token_id in enumerate(new_token_ids):
+                stop = self._update([token_id], stop_terminated and i == last)
+                if stop is not None:
+                    return stop  # (num_output_tokens: the tokens up to the one that completed it)
+            return None
+        return self._update(new_token_ids, stop_terminated)
+
+    def _update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         self.num_output_tokens += len(new_token_ids)
         if stop_terminated and not self.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]

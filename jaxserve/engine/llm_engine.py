@@ -110,6 +110,7 @@ class LLMEngine:
             self.runner.num_blocks,
             lora.max_loras if lora else 0,
             clock,
+            config.speculative_config,
         )
         self.adapters = None  # LoRA adapters read from disk, by lora_int_id (lora/adapter.py)
         if lora is not None:

@@ -57,17 +57,21 @@ class OutputProcessor:
 
     # ---- a step's tokens -------------------------------------------------------------------
 
-    def detokenize(self, updated: Sequence[Request]) -> list[tuple[Request, str]]:
-        """Feed each request's new token to its detokenizer; the stop strings that completed."""
+    def detokenize(self, updated: Sequence[Request]) -> list[tuple[Request, str, int]]:
+        """Feed each request's new tokens to its detokenizer; the stop strings that completed, each
+        with the number of output tokens up to the one that completed it."""
         stops = []
         for req in updated:
             ref = self._children.get(req.request_id)
             det = ref.parent.detokenizers[ref.index] if ref else None
             if det is None:
                 continue
-            stop = det.update(req.output_token_ids[-1:], stop_terminated=req.finished_on_stop_token)
+            out = req.output_token_ids
+            stop = det.update(
+                out[len(out) - req.num_new_tokens :], stop_terminated=req.finished_on_stop_token
+            )
             if stop is not None:
-                stops.append((req, stop))
+                stops.append((req, stop, det.num_output_tokens))
         return stops
 
     def make_outputs(self, updated: Sequence[Request], stats: IterationStats) -> list[RequestOutput]:
@@ -91,7 +95,7 @@ class OutputProcessor:
         return outputs
 
     def _record_token(self, stats: IterationStats, parent: ParentRequest, req: Request, now: float) -> None:
-        stats.num_generation_tokens += 1
+        stats.num_generation_tokens += req.num_new_tokens
         last = self._last_token_time.get(req.request_id)
         if last is not None:
             stats.inter_token_latencies.append(now - last)

@@ -93,6 +93,9 @@ class Request:
         self.prompt_logprobs: list[TopLogprobs] = []  # row k: the logprob of prompt token k + 1
         self.lora_request = None  # a lora.request.LoRARequest: served with that adapter
         self.lora_slot = -1  # its device slot while the request runs
+        self.draft_token_ids: tuple[int, ...] = ()  # proposed to follow its last token (speculative decoding)
+        self.num_new_tokens = 0  # output tokens the last update() added (a step may add several)
+        self.new_logprobs: list[float] = []  # their logprobs, when a step with proposals added them
 
     @property
     def num_output_tokens(self) -> int:

@@ -130,3 +130,27 @@ def extend_prompt_logprobs(req: Request, start: int, ranked: TopLogprobs) -> Non
     for j in range(len(ranked.chosen_ranks)):
         if start + j == len(req.prompt_logprobs):
             req.prompt_logprobs.append(ranked.take(j))
+
+
+def max_proposals(req: Request, k: int, budget: int) -> int:
+    """How many proposed tokens the request's next row may take (speculative decoding): up to k,
+    within the step's token budget and what the request may still output; none for a row that is
+    not a decode of its last token, nor for one whose sampling depends on the tokens before it in
+    ways the step does not follow proposal by proposal (a grammar, bad words, the tokens
+    min_tokens holds back)."""
+    p = req.sampling_params
+    if req.grammar is not None or req.bad_words or req.num_output_tokens < p.min_tokens:
+        return 0
+    if req.num_computed_tokens != req.num_tokens - 1:
+        return 0
+    return max(0, min(k, budget - 1, req.output_limit - req.num_output_tokens - 1))
+
+
+def drop_outputs_after(req: Request, num_tokens: int) -> None:
+    """Keep the request's first num_tokens outputs (and their logprobs): a stop string ended it
+    before the last token its step kept."""
+    dropped = req.num_output_tokens - num_tokens
+    req.cumulative_logprob -= sum(req.new_logprobs[-dropped:])
+    del req.output_token_ids[num_tokens:]
+    del req.output_logprobs[num_tokens:]
+    req.num_new_tokens -= dropped

@@ -26,18 +26,21 @@ import bisect
 import time
 from collections.abc import Callable, Iterable
 
-from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jaxserve.engine.block_manager import BlockManager, PrefixCacheStats
 from jaxserve.engine.lora_slots import LoRASlots
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.request_rows import (
+    drop_outputs_after,
     extend_prompt_logprobs,
     fed_token_ids,
+    max_proposals,
     prompt_logprob_targets,
     sampling_row,
     stop_status,
     target_tokens,
 )
+from jaxserve.engine.stats import SpecDecodingStats
 from jaxserve.engine.step_plan import Admission, InFlightStep, StepPlan
 from jaxserve.scheduler_output import (
     PLACEHOLDER_TOKEN,
@@ -46,6 +49,7 @@ from jaxserve.scheduler_output import (
     ScheduledSeq,
     SchedulerOutput,
 )
+from jaxserve.spec_decode.proposers import Proposer, proposer_for
 
 
 class Scheduler:
@@ -56,8 +60,10 @@ class Scheduler:
         num_blocks: int,
         num_lora_slots: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
-        """clock: the engine's clock, the one requests' arrival times are on (seconds)."""
+        """clock: the engine's clock, the one requests' arrival times are on (seconds).
+        speculative_config: rows of decoding requests are fed proposed tokens (spec_decode/)."""
         if scheduler_config.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {scheduler_config.policy!r}.")
         if scheduler_config.preemption_mode != "recompute":
@@ -88,6 +94,10 @@ class Scheduler:
         self.lora_slots = LoRASlots(num_lora_slots) if num_lora_slots else None
         # scheduler_delay_factor: how long the last step that started prompts took
         self.clock = clock
+        # speculative decoding's source of proposed tokens, up to num_speculative_tokens a row
+        self.proposer: Proposer | None = proposer_for(speculative_config)
+        self.num_speculative_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
+        self.spec_stats = SpecDecodingStats() if speculative_config is not None else None
         self._prompts_started_at: float | None = None
         self._prompt_step_s = 0.0
 
@@ -174,6 +184,10 @@ class Scheduler:
         while i < len(running) and plan.budget > 0:
             req = running[i]
             n = self._chunk_size(req, req.num_computed_tokens, plan.budget)
+            if n == 1 and self.proposer is not None:
+                n += self._propose(req, plan.budget)
+                if n > 1 and not allocate(req.request_id, req.num_computed_tokens + n):
+                    n, req.draft_token_ids = 1, ()  # proposals never cost another request its pages
             if n > 0:
                 if not allocate(req.request_id, req.num_computed_tokens + n):
                     if not self._preempt_for(req, n, plan):
@@ -181,6 +195,16 @@ class Scheduler:
                     i = running.index(req)  # a victim may have stood before req
                 plan.add(req, n)
             i += 1
+
+    def _propose(self, req: Request, budget: int) -> int:
+        """Proposed tokens for a decoding request's row, kept on the request until its tokens
+        are back; how many."""
+        k = max_proposals(req, self.num_speculative_tokens, budget)
+        proposed = (
+            self.proposer.propose(req.request_id, req.all_token_ids, req.num_prompt_tokens, k) if k else ()
+        )
+        req.draft_token_ids = tuple(proposed)
+        return len(proposed)
 
     def _preempt_for(self, req: Request, n: int, plan: StepPlan) -> bool:
         """Pages for the request's next n tokens by preempting from the tail of the running
@@ -275,7 +299,10 @@ class Scheduler:
         """Whether the next step can only be planned once this one's tokens are back: a row's
         grammar or bad words depend on the token it samples."""
         step = self._unreported.get(id(sched))
-        return step is not None and any(r.grammar is not None or r.bad_words for r in step.sampled)
+        if step is None or not step.sampled:
+            return False
+        # speculative decoding: the next proposals follow the tokens this step keeps
+        return self.proposer is not None or any(r.grammar is not None or r.bad_words for r in step.sampled)
 
     def forget(self, sched: SchedulerOutput) -> None:
         """A step that never ran (its requests are failed): no update() will come for it."""
@@ -312,6 +339,7 @@ class Scheduler:
         self._release_slots(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.draft_token_ids = ()
         if counted:
             req.num_preemptions += 1
             self.num_preemptions += 1
@@ -329,7 +357,8 @@ class Scheduler:
         holding a token not yet back waits for a later step's commit.
         """
         start = req.num_computed_tokens
-        end = start + n
+        drafts = req.draft_token_ids
+        end = start + n - len(drafts)  # past the request's own tokens (the proposals follow)
         known = req.num_prompt_tokens + len(req.output_token_ids)
         token_ids = fed_token_ids(req, start, end)
         feed_from_row = -1
@@ -340,7 +369,7 @@ class Scheduler:
         hashable = min(end, known)
         if bm.enable_prefix_caching and hashable // bm.block_size > bm.num_hashed_pages(req.request_id):
             bm.cache_full_blocks(req.request_id, req.all_token_ids, hashable, self._cache_root(req))
-        req.num_computed_tokens = end
+        req.num_computed_tokens = start + n
         processor_init = None
         if req.logits_spec is not None and req.processor_slot < 0:
             req.processor_slot = self._free_processor_slots.pop()
@@ -356,7 +385,7 @@ class Scheduler:
         # (positional: the fields in their order, for speed)
         return ScheduledSeq(
             req.request_id,
-            token_ids,
+            token_ids + drafts if drafts else token_ids,
             start,
             bm.block_table(req.request_id),
             sampling,
@@ -364,6 +393,7 @@ class Scheduler:
             prompt_logprob_targets(req, start, end) if req.wants_prompt_logprobs else None,
             feed_from_row,
             req.lora_slot,
+            len(drafts),
         )
 
     def _cache_root(self, req: Request):
@@ -401,31 +431,64 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is not None:
                 extend_prompt_logprobs(req, starts[req_id], ranked)
-        updated: list[Request] = []
         tokens = runner_output.sampled_token_ids.tolist()
         logprobs = runner_output.logprobs.tolist()
+        if runner_output.num_sampled is not None:
+            return self._append_verified(sampled, runner_output, tokens, logprobs, now)
+        updated: list[Request] = []
         top = runner_output.top_logprobs
         for row, (req, token, logprob) in enumerate(zip(sampled, tokens, logprobs, strict=True)):
             if req is None or req.is_finished:
                 continue
             if req.num_output_placeholders:
                 req.num_output_placeholders -= 1
-            req.output_token_ids.append(token)
-            req.cumulative_logprob += logprob
-            if req.grammar is not None:
-                req.grammar.accept(token)
-            if req.sampling_params.logprobs is not None:
-                req.output_logprobs.append(top.take(row))
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if (
-                token in req.stop_ids
-                or req.grammar is not None
-                or len(req.output_token_ids) >= req.output_limit
-            ):
-                status = stop_status(req, token)  # (no other token can end the request)
-                if status is not None:
-                    self._finish(req, status)
+            req.num_new_tokens = 1
+            self._append(req, token, logprob, top, row, now)
+            updated.append(req)
+        return updated
+
+    def _append(self, req: Request, token: int, logprob: float, top, row: int, now: float) -> None:
+        """One output token: kept with its logprobs, fed to the grammar, and the request
+        finished if it ends there."""
+        req.output_token_ids.append(token)
+        req.cumulative_logprob += logprob
+        if req.grammar is not None:
+            req.grammar.accept(token)
+        if req.sampling_params.logprobs is not None:
+            req.output_logprobs.append(top.take(row))
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if token in req.stop_ids or req.grammar is not None or len(req.output_token_ids) >= req.output_limit:
+            status = stop_status(req, token)  # (no other token can end the request)
+            if status is not None:
+                self._finish(req, status)
+
+    def _append_verified(
+        self, sampled, runner_output: ModelRunnerOutput, tokens: list, logprobs: list, now: float
+    ) -> list[Request]:
+        """A step with proposals: each request's tokens in turn, up to one that ends it. The KV of
+        the proposals that were not kept is written over by the next step's tokens."""
+        updated: list[Request] = []
+        top = runner_output.top_logprobs
+        end = 0
+        for req, count in zip(sampled, runner_output.num_sampled.tolist(), strict=True):
+            start, end = end, end + count
+            if req is None or req.is_finished:
+                continue
+            if req.num_output_placeholders:
+                req.num_output_placeholders -= 1
+            num_drafts, req.draft_token_ids = len(req.draft_token_ids), ()
+            if num_drafts:
+                self.spec_stats.observe(num_drafts, count - 1)
+            before = req.num_output_tokens
+            for row in range(start, end):
+                self._append(req, tokens[row], logprobs[row], top, row, now)
+                if req.is_finished:
+                    break
+            req.num_new_tokens = req.num_output_tokens - before
+            req.new_logprobs = logprobs[start : start + req.num_new_tokens]
+            if not req.is_finished:
+                req.num_computed_tokens -= num_drafts + 1 - count
             updated.append(req)
         return updated
 
@@ -453,11 +516,15 @@ class Scheduler:
                 self.block_manager.uncache(req_id)
             self._finish(req, status)
 
-    def stop_on_strings(self, stops: Iterable[tuple[Request, str]]) -> None:
-        """Stop strings the detokenizer found after update(): each request finishes as a stop
-        with the string as its stop_reason. One that the same token already finished on length
-        becomes a stop too, as vLLM reports it; one finished by EOS or a stop token id stays."""
-        for req, stop in stops:
+    def stop_on_strings(self, stops: Iterable[tuple[Request, str, int]]) -> None:
+        """Stop strings the detokenizer found after update(), each with the output tokens up to
+        the one that completed it: each request finishes as a stop with the string as its
+        stop_reason, and tokens a step kept after that one are dropped. One that the same token
+        already finished on length becomes a stop too, as vLLM reports it; one finished by EOS or
+        a stop token id stays."""
+        for req, stop, num_tokens in stops:
+            if num_tokens < req.num_output_tokens:
+                drop_outputs_after(req, num_tokens)
             if not req.is_finished:
                 req.stop_reason = stop
                 self._finish(req, RequestStatus.FINISHED_STOPPED)
@@ -473,6 +540,9 @@ class Scheduler:
         self.block_manager.free(req.request_id)
         self._release_slots(req)
         req.status = status
+        req.draft_token_ids = ()
+        if self.proposer is not None:
+            self.proposer.finish(req.request_id, req.all_token_ids, req.num_prompt_tokens)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()

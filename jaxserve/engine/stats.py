@@ -23,6 +23,7 @@ class SchedulerStats:
     # LoRA adapters (names, each once) of the running and the waiting requests
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    spec: SpecDecodingStats | None = None  # cumulative; None: no speculative decoding
 
     @classmethod
     def of(cls, scheduler) -> SchedulerStats:
@@ -38,6 +39,58 @@ class SchedulerStats:
             num_preemptions=scheduler.num_preemptions,
             running_lora_adapters=running_loras,
             waiting_lora_adapters=waiting_loras,
+            spec=None if scheduler.spec_stats is None else scheduler.spec_stats.snapshot(),
+        )
+
+
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding's counters, cumulative (vLLM's spec_decode_* metrics): rows fed
+    proposals, tokens proposed, proposals kept, and kept at each position of a row's proposals."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft_tokens:
+            self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    def snapshot(self) -> SpecDecodingStats:
+        return SpecDecodingStats(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_pos)
+        )
+
+    def since(self, start: SpecDecodingStats | None) -> SpecDecodingStats:
+        """The counts since `start` (an earlier snapshot; None: since the beginning)."""
+        start = start or SpecDecodingStats()
+        per_pos = list(self.accepted_per_pos)
+        for i, n in enumerate(start.accepted_per_pos):
+            per_pos[i] -= n
+        return SpecDecodingStats(
+            self.num_drafts - start.num_drafts,
+            self.num_draft_tokens - start.num_draft_tokens,
+            self.num_accepted_tokens - start.num_accepted_tokens,
+            per_pos,
+        )
+
+    def line(self) -> str:
+        """vLLM's SpecDecoding stats line for these counts."""
+        rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        mean = 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+        per_pos = (
+            ", ".join(f"{n / self.num_drafts:.3f}" for n in self.accepted_per_pos) if self.num_drafts else ""
+        )
+        return (
+            f"SpecDecoding metrics: Mean acceptance length: {mean:.2f}, Accepted: {self.num_accepted_tokens} "
+            f"tokens, Drafted: {self.num_draft_tokens} tokens, Per-position acceptance rate: {per_pos}, "
+            f"Avg Draft acceptance rate: {100 * rate:.1f}%"
         )
 
 

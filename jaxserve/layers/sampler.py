@@ -80,7 +80,10 @@ def apply_penalties(
 
 
 def process_logits(
-    logits: jax.Array, params: SamplingArrays, state: ProcessorState | None
+    logits: jax.Array,
+    params: SamplingArrays,
+    state: ProcessorState | None,
+    extra_counts: jax.Array | None = None,  # [num_seqs, vocab] int32, outputs the state has not counted yet
 ) -> jax.Array:  # [num_seqs, vocab] float32
     """Bias rows, the step's masked ids and the penalties, as the module docstring orders them."""
     has_slot = params.processor_slot >= 0
@@ -91,10 +94,11 @@ def process_logits(
     banned = jnp.where(params.banned >= 0, params.banned, logits.shape[1])  # -1 -> dropped
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
     if state is not None:
+        counts = state.output_counts[slot]
         penalised = apply_penalties(
             logits,
             state.prompt_mask[slot],
-            state.output_counts[slot],
+            counts if extra_counts is None else counts + extra_counts,
             params.presence,
             params.frequency,
             params.repetition,
@@ -206,11 +210,12 @@ def sample(
     params: SamplingArrays,
     state: ProcessorState | None = None,  # given: bias rows and penalties apply
     num_top_logprobs: int = 0,  # > 0: also the top-k raw logprobs and the chosen token's rank
+    extra_counts: jax.Array | None = None,  # outputs to penalise besides the state's (process_logits)
 ) -> tuple[jax.Array, jax.Array, TopLogprobs[jax.Array] | None]:
     """Returns ([num_seqs] int32 tokens, [num_seqs] float32 raw logprobs of them, top-k)."""
     logits = logits.astype(jnp.float32)
     raw_logits = logits
-    logits = process_logits(logits, params, state)
+    logits = process_logits(logits, params, state, extra_counts)
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = params.temperature == 0.0
 

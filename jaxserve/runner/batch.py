@@ -12,6 +12,7 @@ instead of one per array, more than a millisecond less host work per step at 256
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
@@ -24,10 +25,12 @@ from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.layers.sampler import SamplingArrays
 from jaxserve.scheduler_output import FLOAT_COLUMNS, INT_COLUMNS, MAX_BANNED_TOKENS, SchedulerOutput
 
-_TOKEN_IDS, _START_POS, _BLOCK_IDS, _SAMPLING, _PROMPT_TARGETS, _FEED_FROM_ROW = (
+_TOKEN_IDS, _START_POS, _BLOCK_IDS, _SAMPLING, _PROMPT_TARGETS, _FEED_FROM_ROW, _NUM_DRAFTS = (
     attrgetter(f)
-    for f in ("token_ids", "start_pos", "block_ids", "sampling", "prompt_logprob_targets", "feed_from_row")
-)
+    for f in (
+        "token_ids", "start_pos", "block_ids", "sampling", "prompt_logprob_targets", "feed_from_row", "num_drafts"
+    )
+)  # fmt: skip
 _FLOAT_PARAMS, _INT_PARAMS, _LORA_SLOT = map(attrgetter, ("float_params", "int_params", "lora_slot"))
 
 
@@ -37,8 +40,10 @@ class BatchInputs:
     input_ids: np.ndarray  # [num_tokens] int32
     positions: np.ndarray  # [num_tokens] int32
     meta: AttentionMetadata
-    logits_indices: np.ndarray  # [num_seqs] int32, last new token of each sequence
-    sampling: SamplingArrays
+    # [logits rows] int32, the fed token each row's logits are taken at: each sequence's last
+    # token; in the verify layout also its proposed tokens and the token before them
+    logits_indices: np.ndarray
+    sampling: SamplingArrays  # a row per logits row
     # [num_tokens] int32: for a fed prompt token whose logprob-successor is wanted
     # (prompt_logprobs), that successor's id; -1 elsewhere
     prompt_targets: np.ndarray
@@ -47,6 +52,11 @@ class BatchInputs:
     feed_rows: np.ndarray
     # [num_tokens] int32: each token's LoRA slot (-1: the base model); None without LoRA slots
     lora_slots: np.ndarray | None = None
+    # The verify layout (speculative decoding), else None. [logits rows] int32: the proposed token
+    # that the row's sample is checked against (-1: none, a row's last); [num_seqs + 1] int32:
+    # sequence i's logits rows are [cu_num_logits[i], cu_num_logits[i + 1])
+    draft_tokens: np.ndarray | None = None
+    cu_num_logits: np.ndarray | None = None
 
 
 class _Ragged(NamedTuple):
@@ -81,6 +91,7 @@ def prepare(
     attention_backend: str,  # the kernel the step traces (AttentionMetadata.backend)
     kv_scales: np.ndarray | None = None,  # [num_layers, 2] float32, a quantized pool's (AttentionMetadata)
     with_lora: bool = False,  # the model has LoRA slots: each token's slot goes with the batch
+    logits_per_seq: int = 1,  # > 1: the verify layout, up to this many logits rows per sequence
 ) -> BatchInputs:
     """The step's arrays: tokens and attention metadata, sampling rows, and the per-token extras.
     Every row field is gathered by C-level iteration (no Python loop over the rows)."""
@@ -102,23 +113,57 @@ def prepare(
         attention_backend,
         kv_scales,
     )
-    logits_indices = np.zeros(num_seqs, np.int32)
-    logits_indices[: ragged.num_rows] = ragged.last_tokens()
     lora_slots = None
     if with_lora:
         lora_slots = np.full(num_tokens, -1, np.int32)
         lora_slots[: ragged.total] = np.repeat(
             np.fromiter(map(_LORA_SLOT, seqs), np.int32, len(seqs)), ragged.q_lens
         )
-    return BatchInputs(
+    inputs = BatchInputs(
         input_ids=input_ids,
         positions=positions,
         meta=meta,
-        logits_indices=logits_indices,
+        logits_indices=np.zeros(num_seqs, np.int32),
         sampling=_sampling_arrays(seqs, num_seqs, meta.kv_lens),
         prompt_targets=_prompt_targets(seqs, ragged, num_tokens),
         feed_rows=_feed_rows(seqs, ragged, num_tokens),
         lora_slots=lora_slots,
+    )
+    if logits_per_seq > 1:
+        return _verify_layout(inputs, seqs, ragged, min(num_tokens, num_seqs * logits_per_seq))
+    inputs.logits_indices[: ragged.num_rows] = ragged.last_tokens()
+    return inputs
+
+
+def _verify_layout(inputs: BatchInputs, seqs, ragged: _Ragged, num_logits: int) -> BatchInputs:
+    """The inputs with a logits row at each proposed token of a sequence and at the token before
+    them (a row without proposals: its last token alone), each with its sequence's sampling row,
+    sampling the output index of the token it predicts."""
+    n, num_seqs = ragged.num_rows, len(ragged.cu) - 1
+    rows_of = 1 + np.fromiter(map(_NUM_DRAFTS, seqs), np.int32, n)  # logits rows of each sequence
+    cu_logits = np.zeros(num_seqs + 1, np.int32)
+    np.cumsum(rows_of, out=cu_logits[1 : n + 1])
+    cu_logits[n + 1 :] = cu_logits[n]
+    total = int(cu_logits[n])
+    seq_of = np.repeat(np.arange(n), rows_of)  # [total] each logits row's sequence
+    back = rows_of[seq_of] - 1 - (np.arange(total) - cu_logits[seq_of])  # rows after it in its sequence
+    indices = np.zeros(num_logits, np.int32)
+    indices[:total] = ragged.cu[seq_of] + ragged.q_lens[seq_of] - 1 - back
+    drafts = np.full(num_logits, -1, np.int32)
+    proposed = back > 0
+    drafts[:total][proposed] = inputs.input_ids[indices[:total][proposed] + 1]
+    gather = np.full(num_logits, num_seqs, np.int32)  # padding rows: a neutral row appended below
+    gather[:total] = seq_of
+    neutral = _sampling_arrays((), 1, np.zeros(1, np.int32))
+    sampling = SamplingArrays(
+        **{
+            f.name: np.concatenate([getattr(inputs.sampling, f.name), getattr(neutral, f.name)])[gather]
+            for f in dataclasses.fields(SamplingArrays)
+        }
+    )
+    sampling.steps[:total] -= back.astype(np.int32)  # the output index of the token each row predicts
+    return dataclasses.replace(
+        inputs, logits_indices=indices, sampling=sampling, draft_tokens=drafts, cu_num_logits=cu_logits
     )
 
 

@@ -98,7 +98,7 @@ class ModelRunner:
             executables=self.executables,
             stored_as=(self._model_name, repr(self.args), ("native kernels", self.native_kernels)),
         )
-        self.compiles = BucketCompiles(self.buckets, self._compile)
+        self.compiles = BucketCompiles(self.buckets, self._compile_plain)
         # Several processes (jax.distributed): process 0 publishes every call the others must
         # replay (jaxserve/distributed.py); they run the same programs on their own devices.
         self.channel = None
@@ -156,9 +156,11 @@ class ModelRunner:
             kv_tokens / max_model_len,
         )
 
-    def prepare(self, sched: SchedulerOutput, bucket: tuple[int, int]) -> batch_lib.BatchInputs:
+    def prepare(
+        self, sched: SchedulerOutput, bucket: tuple[int, int], verify: bool = False
+    ) -> batch_lib.BatchInputs:
         """The step's host arrays in this runner's layout, with the pool's current KV scales."""
-        return self.layout.prepare(sched, bucket, self.kv_scales)
+        return self.layout.prepare(sched, bucket, self.kv_scales, verify)
 
     def step_args(self, inputs: batch_lib.BatchInputs) -> tuple:
         """What the plain step program (steps.programs["step", StepVariant()]) is called with on
@@ -168,6 +170,13 @@ class ModelRunner:
 
     def _compile(self, bucket: tuple[int, int], variant: StepVariant = StepVariant()):
         return self.steps.compile(bucket, variant)
+
+    def _compile_plain(self, bucket: tuple[int, int]) -> None:
+        """What start-up compiles for a bucket: the programs a request asking for no extra runs,
+        the verify kind's too with speculative decoding."""
+        self._compile(bucket)
+        if self.layout.num_speculative_tokens:
+            self._compile(bucket, StepVariant(kind="verify"))
 
     def precompile(self) -> None:
         """Compile the buckets a first request needs now and the rest in the background
@@ -328,7 +337,7 @@ class ModelRunner:
                 fill_bitmask = None
         if self.channel is not None:
             self.channel.publish("dispatch", sched, None, bitmask)
-        inputs = self.prepare(sched, bucket)
+        inputs = self.prepare(sched, bucket, variant.kind == "verify")
         for s in sched.seqs:
             if s.processor_init is not None:
                 self.processor_slots.fill(s.processor_init)
@@ -393,7 +402,15 @@ class ModelRunner:
         """The host copy's rows that mean something: the sampled rows of the scheduled sequences
         (not the padding), and each prompt's rows of prompt logprobs."""
         rows = [i for i, s in enumerate(sched.seqs) if s.sampling is not None]
-        if len(rows) == len(sched.seqs):
+        num_sampled = None
+        if result.num_sampled is not None:  # the verify layout: each sequence's kept rows
+            num_sampled = result.num_sampled[rows]
+            starts = inputs.cu_num_logits[rows]
+            ends = np.cumsum(num_sampled)
+            rows = np.repeat(starts - (ends - num_sampled), num_sampled) + np.arange(
+                ends[-1] if len(ends) else 0
+            )
+        elif len(rows) == len(sched.seqs):
             rows = slice(0, len(rows))  # every row samples (decodes): views, not copies
         prompt = {}
         if result.prompt is not None:
@@ -409,6 +426,7 @@ class ModelRunner:
             logprobs=result.logprobs[rows],
             top_logprobs=None if result.top is None else result.top.take(rows),
             prompt_logprobs=prompt,
+            num_sampled=num_sampled,
         )
 
 

@@ -36,7 +36,9 @@ from jaxserve.layers.sampler import ProcessorState, apply_token_bitmask, count_s
 from jaxserve.runner.batch import BatchInputs, PackedBatch, unpacked
 from jaxserve.scheduler_output import SchedulerOutput, TopLogprobs
 
-_SAMPLING, _PROMPT_TARGETS, _EXTRAS = map(attrgetter, ("sampling", "prompt_logprob_targets", "extras"))
+_SAMPLING, _PROMPT_TARGETS, _EXTRAS, _NUM_DRAFTS = map(
+    attrgetter, ("sampling", "prompt_logprob_targets", "extras", "num_drafts")
+)
 # Rows of prompt logprobs computed at once: their [rows, vocab] float32 logits are live together.
 PROMPT_CHUNK = 512
 
@@ -56,12 +58,18 @@ class StepVariant:
     with_prompt_logprobs: bool = False
     # A packed token mask per row (structured outputs); runs as forward + sample_step.
     with_token_bitmask: bool = False
+    # The program's kind: "generate" samples one token per sequence; "verify" (speculative
+    # decoding) samples at each proposed token too and keeps the samples that agree with the
+    # proposals, plus one (BatchInputs' verify layout).
+    kind: str = "generate"
+
+    KINDS = ("generate", "verify")
 
     @classmethod
     def all(cls) -> tuple[StepVariant, ...]:
-        """Every variant, the plain one first."""
-        flags = itertools.product((False, True), repeat=len(dataclasses.fields(cls)))
-        return tuple(cls(*f) for f in flags)
+        """Every variant, the plain one first: each kind with each set of options."""
+        options = list(itertools.product((False, True), repeat=len(dataclasses.fields(cls)) - 1))
+        return tuple(cls(*o, kind=kind) for kind in cls.KINDS for o in options)
 
     @classmethod
     def for_batch(cls, sched: SchedulerOutput) -> StepVariant:
@@ -73,6 +81,7 @@ class StepVariant:
             with_top_logprobs=any(n[1] for n in needs),
             with_prompt_logprobs=any(map(_PROMPT_TARGETS, sched.seqs)),
             with_token_bitmask=any(n[2] for n in needs),
+            kind="verify" if any(map(_NUM_DRAFTS, sched.seqs)) else "generate",
         )
 
 
@@ -82,13 +91,15 @@ class StepResult:
     """What a step hands back to the host, in one device->host copy. Device arrays when the
     step returns, numpy arrays after the copy; padding rows are computed too and dropped there."""
 
-    tokens: jax.Array  # [num_seqs] int32, the token sampled for each sequence row
-    logprobs: jax.Array  # [num_seqs] float32, raw logprob of each sampled token
-    # [num_seqs] rows: the top-k and the sampled token's logprob and rank; with_top_logprobs only
+    tokens: jax.Array  # [logits rows] int32, the token sampled at each row (a row per sequence but to verify)
+    logprobs: jax.Array  # [logits rows] float32, raw logprob of each sampled token
+    # [logits rows]: the top-k and the sampled token's logprob and rank; with_top_logprobs only
     top: TopLogprobs[jax.Array] | None
     # [num_tokens] rows: at each fed token, the top-k and the logprob and rank of its successor
     # in the prompt (BatchInputs.prompt_targets); with_prompt_logprobs only
     prompt: TopLogprobs[jax.Array] | None
+    # [num_seqs] int32, verify only: how many of each sequence's rows (from its first) are kept
+    num_sampled: jax.Array | None = None
 
 
 def forward(
@@ -152,13 +163,60 @@ def sample_step(
     tokens padded like last_tokens, results; their prompt logprobs are forward's to fill in)."""
     inputs = unpacked(inputs)
     if bitmask is not None:
+        if variant.kind == "verify":  # a sequence's mask on each of its rows
+            bitmask = bitmask[_sequence_of_rows(inputs.cu_num_logits, logits.shape[0])]
         logits = apply_token_bitmask(logits, bitmask)
     k = num_top_logprobs if variant.with_top_logprobs else 0
+    if variant.kind == "verify":
+        return _verify(logits, processors, inputs, last_tokens, k)
     tokens, logprobs, top = sample(logits, inputs.sampling, processors, k)
     if processors is not None:
         processors = count_sampled(processors, inputs.sampling.processor_slot, tokens)
     sampled = jnp.zeros_like(last_tokens).at[: tokens.shape[0]].set(tokens)
     return processors, sampled, StepResult(tokens, logprobs, top, None)
+
+
+def _sequence_of_rows(cu: jax.Array, rows: int) -> jax.Array:
+    """[rows] the sequence each logits row belongs to (padding rows: the last sequence)."""
+    return jnp.clip(jnp.searchsorted(cu, jnp.arange(rows), side="right") - 1, 0, cu.shape[0] - 2)
+
+
+def _verify(
+    logits: jax.Array,  # [logits rows, vocab]
+    processors: ProcessorState | None,
+    inputs: BatchInputs,  # in the verify layout
+    last_tokens: jax.Array,
+    k: int,
+) -> tuple[ProcessorState | None, jax.Array, StepResult]:
+    """Speculative decoding's check, exact for any sampling: each row samples as a step without
+    proposals would at that output index (its own seed key; penalties counting the proposals
+    before it), and a sequence keeps its rows up to and including the first whose sample differs
+    from the proposal after it. A proposal is one token (a one-hot draft distribution q), and
+    for such a q, rejection sampling (accept x with probability min(1, p(x) / q(x)), else draw
+    from max(0, p - q) renormalised) is exactly this: draw from p and accept x when the draw is x.
+    So every kept token has the target's distribution, and greedy rows keep the target's argmax."""
+    cu, drafts = inputs.cu_num_logits, inputs.draft_tokens
+    rows, num_seqs = drafts.shape[0], cu.shape[0] - 1
+    seq_of = jnp.clip(jnp.searchsorted(cu, jnp.arange(rows), side="right") - 1, 0, num_seqs - 1)
+    first_row = cu[seq_of]
+    counts = None
+    if processors is not None:  # a row's penalties count the proposals before it in its sequence
+        onehot = (
+            jnp.zeros((rows, logits.shape[-1]), jnp.int32).at[jnp.arange(rows), drafts].add(1, mode="drop")
+        )
+        before = jnp.cumsum(onehot, axis=0) - onehot
+        counts = before - before[first_row]
+    tokens, logprobs, top = sample(logits, inputs.sampling, processors, k, counts)
+    mismatch = ((drafts >= 0) & (tokens != drafts)).astype(jnp.int32)
+    earlier = jnp.cumsum(mismatch) - mismatch  # mismatches before each row, from the batch's first
+    kept = (earlier == earlier[first_row]) & (jnp.arange(rows) < cu[-1])
+    num_sampled = jax.ops.segment_sum(kept.astype(jnp.int32), seq_of, num_seqs)
+    if processors is not None:
+        slot = jnp.where(kept, inputs.sampling.processor_slot, -1)
+        processors = count_sampled(processors, slot, tokens)
+    last = tokens[jnp.maximum(cu[:-1] + num_sampled - 1, 0)]
+    sampled = jnp.zeros_like(last_tokens).at[:num_seqs].set(last)
+    return processors, sampled, StepResult(tokens, logprobs, top, None, num_sampled)
 
 
 def step(

@@ -54,6 +54,7 @@ class StepLayout:
     num_top_logprobs: int  # k of the top-k variants (the model's max_logprobs)
     kv_scales: np.ndarray | None  # [num_layers, 2] a quantized pool's initial scales
     with_lora: bool  # the model has LoRA slots
+    num_speculative_tokens: int = 0  # most proposed tokens a sequence is fed (the verify layout)
 
     @classmethod
     def plan(cls, config: EngineConfig, args, mesh, with_lora: bool, memory_stats=None) -> StepLayout:
@@ -84,6 +85,9 @@ class StepLayout:
             num_top_logprobs=args.vocab_size if mc.max_logprobs < 0 else max(mc.max_logprobs, 1),
             kv_scales=scales,
             with_lora=with_lora,
+            num_speculative_tokens=config.speculative_config.num_speculative_tokens
+            if config.speculative_config
+            else 0,
         )
 
     @property
@@ -91,8 +95,11 @@ class StepLayout:
         """A slot index past the KV pool: padding tokens write there, and the write is dropped."""
         return self.num_blocks * self.kv_spec.num_layers * self.kv_spec.page_size
 
-    def prepare(self, sched: SchedulerOutput, bucket: Bucket, kv_scales=None) -> batch_lib.BatchInputs:
-        """A step's host arrays in this layout (kv_scales: the pool's current ones, if measured)."""
+    def prepare(
+        self, sched: SchedulerOutput, bucket: Bucket, kv_scales=None, verify: bool = False
+    ) -> batch_lib.BatchInputs:
+        """A step's host arrays in this layout (kv_scales: the pool's current ones, if measured;
+        verify: the layout of a step with proposed tokens)."""
         return batch_lib.prepare(
             sched,
             *bucket,
@@ -102,6 +109,7 @@ class StepLayout:
             self.attention_backend,
             self.kv_scales if kv_scales is None else kv_scales,
             self.with_lora,
+            self.num_speculative_tokens + 1 if verify else 1,
         )
 
 
@@ -160,7 +168,7 @@ class StepPrograms:
         variant with a token mask."""
         compiled = self.compiled.get((bucket, variant))
         if compiled is None:
-            empty = self.layout.prepare(SchedulerOutput(seqs=()), bucket)
+            empty = self.layout.prepare(SchedulerOutput(seqs=()), bucket, verify=variant.kind == "verify")
             inputs = abstract(batch_lib.PackedBatch.pack(empty), self.replicated)
             processors = self.processors if variant.with_processor_state else None
             last = self.last_tokens

@@ -22,8 +22,9 @@ GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, out
 
 def test_every_variant_once_the_plain_one_first():
     variants = StepVariant.all()
-    assert len(variants) == len(set(variants)) == 16
+    assert len(variants) == len(set(variants)) == 32  # two kinds, four options
     assert variants[0] == StepVariant()
+    assert {v.kind for v in variants} == {"generate", "verify"}
     assert (
         StepVariant(with_processor_state=True, with_top_logprobs=True, with_prompt_logprobs=True) in variants
     )
@@ -43,6 +44,8 @@ def test_a_batch_needs_what_some_row_asks_for():
     assert StepVariant.for_batch(logprobs) == StepVariant(with_top_logprobs=True)
     masked = SchedulerOutput((seq(GREEDY), seq(SamplingRow(0.0, 0, 1.0, 0.0, 0, 0, constrained=True))))
     assert StepVariant.for_batch(masked) == StepVariant(with_token_bitmask=True)
+    proposed = SchedulerOutput((seq(GREEDY), ScheduledSeq("p", (5, 6, 7), 9, (1, 2), GREEDY, num_drafts=2)))
+    assert StepVariant.for_batch(proposed) == StepVariant(kind="verify")
 
 
 def test_one_jitted_step_traced_for_two_backends_runs_each_ones_kernel(tiny_llama_gqa):

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft-token proposers that run on the host."""

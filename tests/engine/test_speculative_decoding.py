@@ -1,0 +1,134 @@
+"""Speculative decoding through the whole engine: with n-gram or suffix proposals, every request
+gets exactly the tokens (and logprobs, text, finish reasons) it gets without them, greedy or
+seeded, with penalties, stop strings, n > 1 and max_tokens edges, while proposals are kept."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import engine_kwargs
+
+from jaxserve import LLM, SamplingParams
+
+SPECS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 0.0},
+}
+# prompts whose greedy continuations on the tiny model repeat (so proposals are made and kept)
+PROMPTS = [
+    {"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]},
+    {"prompt_token_ids": list(range(40, 60)) * 2},
+    {"prompt_token_ids": [11, 12, 13]},
+    {"prompt_token_ids": [300 + i % 7 for i in range(50)]},
+]
+
+
+def _kwargs(**spec):
+    return engine_kwargs(max_model_len=256, **spec)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_gqa):
+    return LLM(tiny_llama_gqa[0], **_kwargs())
+
+
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def spec(request, tiny_llama_gqa):
+    return LLM(tiny_llama_gqa[0], **_kwargs(speculative_config=SPECS[request.param]))
+
+
+def _same(plain, spec, params, prompts=PROMPTS):
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    before = spec.llm_engine.scheduler.spec_stats.snapshot()
+    got = spec.generate(prompts, params, use_tqdm=False)
+    for e, g in zip(expected, got, strict=True):
+        for a, b in zip(e.outputs, g.outputs, strict=True):
+            assert b.token_ids == a.token_ids
+            assert b.text == a.text
+            assert (b.finish_reason, b.stop_reason) == (a.finish_reason, a.stop_reason)
+            if a.logprobs is not None:
+                assert [list(x) for x in b.logprobs] == [list(x) for x in a.logprobs]
+                for x, y in zip(a.logprobs, b.logprobs):
+                    for t in x:
+                        assert y[t].logprob == pytest.approx(x[t].logprob, abs=1e-4)
+            if a.cumulative_logprob is not None:
+                assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-3)
+    return spec.llm_engine.scheduler.spec_stats.since(before)
+
+
+def test_greedy_tokens_equal_and_proposals_are_kept(plain, spec):
+    stats = _same(plain, spec, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    assert stats.num_drafts > 0 and stats.accepted_per_pos[1] > 0  # some rows kept two proposals or more
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
+    assert stats.accepted_per_pos == sorted(stats.accepted_per_pos, reverse=True)
+
+
+def test_seeded_sampling_penalties_and_logprobs_equal(plain, spec):
+    params = SamplingParams(
+        temperature=0.8, top_p=0.9, top_k=20, seed=5, max_tokens=32, logprobs=2, ignore_eos=True,
+        presence_penalty=-0.5, repetition_penalty=1.1,
+    )  # fmt: skip
+    _same(plain, spec, params)
+
+
+def test_stop_strings_tokens_and_lengths_cut_where_they_would_be(plain, spec):
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    text = plain.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0]
+    token = text.token_ids[9]
+    middle = text.text[len(text.text) // 2 : len(text.text) // 2 + 2]
+    for params in (
+        SamplingParams(temperature=0, max_tokens=40, stop=[middle]),
+        SamplingParams(temperature=0, max_tokens=40, stop=[middle], include_stop_str_in_output=True),
+        SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[token]),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),  # the last proposals cut by length
+        SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=20, ignore_eos=False),
+    ):
+        _same(plain, spec, params)
+
+
+def test_several_samples_of_one_prompt(plain, spec):
+    _same(plain, spec, SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=24, ignore_eos=True))
+
+
+def test_start_up_compiles_the_verify_kind_and_no_request_compiles(tiny_llama_gqa):
+    llm = LLM(tiny_llama_gqa[0], **_kwargs(speculative_config=SPECS["ngram"], enforce_eager=False))
+    runner = llm.llm_engine.runner
+    runner.wait_compiled()
+    compiled = runner.num_compiled
+    assert compiled == 2 * len(runner.buckets.all())  # each bucket's generate and verify programs
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert runner.num_compiled == compiled
+
+
+def test_metrics_and_stats_line_count_proposals(spec):
+    from jaxserve.engine.stats import SchedulerStats
+    from jaxserve.metrics import EngineMetrics, StatsLogger
+
+    metrics, log = EngineMetrics("m", 256, 64), StatsLogger()
+    engine = spec.llm_engine
+    before = SchedulerStats.of(engine.scheduler)
+    metrics.record(before, engine.iteration_stats)
+    log.record(before, engine.iteration_stats)
+    spec.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    after = SchedulerStats.of(engine.scheduler)
+    metrics.record(after, engine.iteration_stats)
+    log.record(after, engine.iteration_stats)
+    new = after.spec  # (new counters and a first window count from the engine's start)
+    assert new.num_drafts > before.spec.num_drafts
+    text = metrics.render().decode()
+    assert f'jaxserve:spec_decode_num_drafts_total{{model_name="m"}} {float(new.num_drafts)}' in text
+    assert (
+        f'jaxserve:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(new.num_accepted_tokens)}'
+        in text
+    )
+    assert f'jaxserve:spec_decode_num_draft_tokens_total{{model_name="m"}} {float(new.num_draft_tokens)}' in text
+    first = new.accepted_per_pos[0]
+    assert (
+        f'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {float(first)}'
+        in text
+    )
+    line = log.line()
+    assert "SpecDecoding metrics: Mean acceptance length" in line
+    assert f"Accepted: {new.num_accepted_tokens} tokens, Drafted: {new.num_draft_tokens} tokens" in line
