@@ -37,7 +37,7 @@ PARTS = (
         "projections (XLA)",
         (r"^dot\.\d+ $|while/body/closed_call/(add|mul|convert_element_type|dynamic_slice)$",),
     ),
-    ("LM head", (r"tied_head|_chunked_head|lm_head|dot_general$",)),
+    ("LM head", (r"jaxserve_q8_head|tied_head|_chunked_head|lm_head|dot_general$",)),
     ("sampling", (r"sampler\.py|log_softmax|argmax|_uniform",)),
     ("norms, rope, residuals", (r"norm\.py|rotary\.py|llama\.py",)),
 )
@@ -96,7 +96,7 @@ def profile(model: str | None, quantization: str | None, steps: int) -> dict:
     program = runner._compile(bucket, StepVariant.for_batch(sched))
     from jaxserve.runner import batch as batch_lib
 
-    inputs = jax.device_put(batch_lib.PackedBatch.pack(runner._prepare(sched, bucket)), runner._replicated)
+    inputs = jax.device_put(batch_lib.PackedBatch.pack(runner.prepare(sched, bucket)), runner._replicated)
     state = {"pool": runner.kv_pool, "last": runner._last_tokens}
 
     def run(n: int) -> None:

@@ -9,7 +9,9 @@ shape by default) stored as:
   float32 copy of the table first);
 - q8-chunked: the same, HEAD_CHUNK_ROWS vocabulary rows at a time (lax.map), each float32 chunk
   small enough to stay in cache;
-- q8-served: layers/linear.py's tied_head, which picks one of the two by the number of rows.
+- q8-kernel: the native CPU kernel (pallas_kernels/quantized_matmul q8_head): the int8 table read
+  once for all rows, integer products per group (where the native kernels build);
+- q8-served: layers/linear.py's tied_head, which picks one of these by the number of rows.
 
 Every layout gives f32's logits on the dequantized table (checked before timing). Rounds
 alternate the layouts; the median per layout and its ratio to f32 are reported.
@@ -34,6 +36,8 @@ def run(ns) -> dict:
     import numpy as np
 
     from jaxserve.layers import linear
+    from pallas_kernels import native
+    from pallas_kernels.quantized_matmul import q8_head
 
     vocab, hidden = ns.shape
     rng = np.random.default_rng(0)
@@ -52,10 +56,13 @@ def run(ns) -> dict:
         "q8-chunked": (jax.jit(linear._chunked_head), q8),
         "q8-served": (jax.jit(linear.tied_head), q8),
     }
+    if native.load():
+        layouts["q8-kernel"] = (jax.jit(q8_head), q8)
     report: dict = {
         "shape": [vocab, hidden],
         "head_whole_max_rows": linear.HEAD_WHOLE_MAX_ROWS,
         "head_chunk_rows": linear.HEAD_CHUNK_ROWS,
+        "head_kernel_max_rows": linear.HEAD_KERNEL_MAX_ROWS,
         "bytes": {name: sum(p.nbytes for p in params) for name, (_, params) in layouts.items()},
         "rows": {},
     }
@@ -63,7 +70,9 @@ def run(ns) -> dict:
         x = jnp.asarray(rng.standard_normal((rows, hidden)).astype(np.float32))
         want = np.asarray(x) @ table.T
         for name, (f, params) in layouts.items():  # the same logits, compiled before timing
-            np.testing.assert_allclose(np.asarray(f(x, *params)), want, rtol=1e-4, atol=1e-4, err_msg=name)
+            # (the kernel multiplies x as int16 per group of 32: errors ~1e-5 of the logits' scale)
+            atol = 1e-4 * max(1.0, float(np.abs(want).max()))
+            np.testing.assert_allclose(np.asarray(f(x, *params)), want, rtol=1e-4, atol=atol, err_msg=name)
         times: dict[str, list[float]] = {n: [] for n in layouts}
         for _ in range(ns.rounds):
             for name, (f, params) in layouts.items():

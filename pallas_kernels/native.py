@@ -36,6 +36,7 @@ SOURCES = ("quantized_matmul/cpu.cc", "ragged_paged_attention/cpu.cc")  # relati
 # XLA custom-call target -> the C symbol of its handler
 HANDLERS = {
     "jaxserve_q4_matmul": "JaxserveQ4Matmul",
+    "jaxserve_q8_head": "JaxserveQ8Head",
     "jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention",
 }
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")

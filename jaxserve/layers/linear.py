@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.sharding import LOGICAL_AXIS_RULES
-from pallas_kernels.quantized_matmul import TILE, q4_matmuls, tile
+from pallas_kernels.quantized_matmul import TILE, q4_matmuls, q8_head, tile
 from pallas_kernels.quantized_matmul.reference import dequantize_groups
 from pallas_kernels.tracing import traced_platform
 
@@ -280,6 +280,11 @@ class LayerWeights(Mapping):
 # time and each float32 chunk stays in cache (benchmarks/quantized_head.py).
 HEAD_WHOLE_MAX_ROWS = 1
 HEAD_CHUNK_ROWS = 1024
+# On one CPU device the native kernel (pallas_kernels/quantized_matmul q8_head) reads the int8 table
+# once for every row instead: 2.5x faster than XLA's fused product at one row, 5x-8x than the chunks
+# at 2-4 rows (a step verifying proposed tokens), 1.5x at 16, level at 32
+# (benchmarks/quantized_head.py, results/quantized_head_kernel_cpu.json).
+HEAD_KERNEL_MAX_ROWS = 16
 
 
 def embedding_params(rngs: nnx.Rngs, vocab: int, hidden: int, dtype, fmt: str | None) -> dict[str, nnx.Param]:
@@ -318,6 +323,10 @@ def tied_head(x: jax.Array, table: jax.Array, scale: jax.Array | None) -> jax.Ar
     if scale is None:
         return jnp.dot(x, table.T, preferred_element_type=jnp.float32)
     x = x.astype(jnp.float32)
+    if x.shape[0] <= HEAD_KERNEL_MAX_ROWS:
+        logits = q8_head(x, table, scale)  # the native CPU kernel, where it runs
+        if logits is not None:
+            return logits
     if x.shape[0] <= HEAD_WHOLE_MAX_ROWS or traced_platform() != "cpu":
         return x @ _dequantize_rows(table, scale).T
     axis = LOGICAL_AXIS_RULES["vocab"]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from pallas_kernels import native
 from pallas_kernels.quantized_matmul.reference import TILE, is_tiled, q4_matmul_reference, tile, untile
 
-__all__ = ["TILE", "cpu_kernel_applies", "q4_matmul", "q4_matmuls", "tile", "untile"]
+__all__ = ["TILE", "cpu_kernel_applies", "q4_matmul", "q4_matmuls", "q8_head", "tile", "untile"]
 
 
 def cpu_kernel_applies(x: jax.Array, packed: jax.Array) -> bool:
@@ -47,3 +47,17 @@ def q4_matmul(
     layer: jax.Array,  # [] int32
 ) -> jax.Array:  # [rows, n] float32
     return q4_matmuls(x, [(packed, scale, mins)], layer)[0]
+
+
+def q8_head(
+    x: jax.Array,  # [rows, k] float32
+    table: jax.Array,  # [vocab, k] int8 (GGUF Q8_0 values)
+    scale: jax.Array,  # [vocab, k / 32] float32
+) -> jax.Array | None:  # [rows, vocab] float32
+    """x @ table.T with the table dequantized, by the native kernel (cpu.cc Q8Head: the table read
+    once for every row); None where the kernel cannot run (not a float32 x on one CPU device with the
+    kernels loaded), for the caller's own path."""
+    if x.ndim != 2 or x.dtype != jnp.float32 or table.dtype != jnp.int8 or not native.usable_in_trace():
+        return None
+    out = jax.ShapeDtypeStruct((x.shape[0], table.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call("jaxserve_q8_head", out, vmap_method="sequential")(x, table, scale)

@@ -249,8 +249,85 @@ ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
+// A tied LM head in GGUF's Q8_0 groups: y [rows, vocab] = x [rows, k] @ table [vocab, k]^T, with an
+// int8 table and a float32 scale per group of 32 inputs ([vocab, k / 32]). Each table row is read once
+// for all rows of x (XLA:CPU, past one row, writes a float32 copy of the whole table, or of each chunk
+// of it, before its dot); x is quantized per group to int16 as above, and each group's int32 sum
+// scaled by dx * scale. Vocabulary rows are shared among the threads in blocks.
+constexpr int kHeadBlock = 256;  // vocabulary rows per unit of work
+constexpr int kHeadRows = 4;     // rows of x whose sums stay in registers together
+
+// y[r][v] for rows [0, R) of the quantized x and the vocabulary rows [v0, v1); R <= kHeadRows.
+template <int R>
+void Q8HeadRows(const QuantizedRows& xq, int r0, int k, const int8_t* w, const float* s, int v0, int v1,
+                float* y, int vocab) {
+  const int groups = k / kGroup;
+  for (int v = v0; v < v1; ++v) {
+    const int8_t* wv = w + static_cast<size_t>(v) * k;
+    const float* sv = s + static_cast<size_t>(v) * groups;
+#if defined(__AVX512BW__)
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; ++g) {
+      const __m512i wg = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wv + g * kGroup)));
+      for (int r = 0; r < R; ++r) {
+        const size_t row = static_cast<size_t>(r0 + r);
+        const __m512i xg = _mm512_loadu_si512(xq.q.data() + row * k + g * kGroup);
+        const __m512 part = _mm512_cvtepi32_ps(_mm512_madd_epi16(wg, xg));  // 16 sums of 2 products
+        acc[r] = _mm512_fmadd_ps(part, _mm512_set1_ps(xq.scale[row * groups + g] * sv[g]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[static_cast<size_t>(r0 + r) * vocab + v] = _mm512_reduce_add_ps(acc[r]);
+#else
+    for (int r = 0; r < R; ++r) {
+      const size_t row = static_cast<size_t>(r0 + r);
+      float total = 0;
+      for (int g = 0; g < groups; ++g) {
+        int32_t dot = 0;
+        for (int i = 0; i < kGroup; ++i) dot += static_cast<int32_t>(xq.q[row * k + g * kGroup + i]) * wv[g * kGroup + i];
+        total += static_cast<float>(dot) * xq.scale[row * groups + g] * sv[g];
+      }
+      y[row * vocab + v] = total;
+    }
+#endif
+  }
+}
+
+ffi::Error Q8Head(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> table,
+                  ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), td = table.dimensions();
+  if (xd.size() != 2 || td.size() != 2 || xd[1] != td[1] || td[1] % kGroup)
+    return ffi::Error::InvalidArgument("q8_head: x [rows, k], table [vocab, k], k a multiple of 32");
+  const int rows = static_cast<int>(xd[0]), k = static_cast<int>(xd[1]), vocab = static_cast<int>(td[0]);
+  if (rows == 0) return ffi::Error::Success();
+  const QuantizedRows xq = Quantize(x.typed_data(), rows, rows, k);
+  const int8_t* w = table.typed_data();
+  const float* s = scale.typed_data();
+  float* out = y->typed_data();
+  ParallelFor(pool, (vocab + kHeadBlock - 1) / kHeadBlock, [&](int unit) {
+    const int v0 = unit * kHeadBlock, v1 = std::min(vocab, v0 + kHeadBlock);
+    int r0 = 0;  // the block's table rows stay in cache while every chunk of x's rows reads them
+    for (; r0 + kHeadRows <= rows; r0 += kHeadRows) Q8HeadRows<kHeadRows>(xq, r0, k, w, s, v0, v1, out, vocab);
+    switch (rows - r0) {
+      case 3: Q8HeadRows<3>(xq, r0, k, w, s, v0, v1, out, vocab); break;
+      case 2: Q8HeadRows<2>(xq, r0, k, w, s, v0, v1, out, vocab); break;
+      case 1: Q8HeadRows<1>(xq, r0, k, w, s, v0, v1, out, vocab); break;
+      default: break;
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxserve
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQ8Head, jaxserve::Q8Head,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // x
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S8>>()   // table
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // scale
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // y
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQ4Matmul, jaxserve::Q4Matmul,
                               xla::ffi::Ffi::Bind()
