@@ -136,9 +136,9 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
               sm_scale, soft_cap, op + row * row_size);
   };
   const int units = static_cast<int>(live.size()) * s.kv_heads;
-  int keys = 0;
-  for (int i = 0; i < seqs; ++i) keys += lens[i];
-  if (static_cast<long>(keys) * s.q_heads < 4096) {  // too little work to share out
+  long keys = 0;  // keys read over all live rows: a sequence's rows each read theirs
+  for (const auto& [row, i] : live) keys += std::min(lens[i] - (cu[i + 1] - row) + 1, win > 0 ? win : lens[i]);
+  if (keys * s.q_heads < 4096) {  // too little work to share out
     for (int u = 0; u < units; ++u) unit(u);
   } else {
     ParallelFor(pool, units, unit);
