@@ -123,7 +123,9 @@ def test_metrics_and_stats_line_count_proposals(spec):
         f'jaxserve:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(new.num_accepted_tokens)}'
         in text
     )
-    assert f'jaxserve:spec_decode_num_draft_tokens_total{{model_name="m"}} {float(new.num_draft_tokens)}' in text
+    assert (
+        f'jaxserve:spec_decode_num_draft_tokens_total{{model_name="m"}} {float(new.num_draft_tokens)}' in text
+    )
     first = new.accepted_per_pos[0]
     assert (
         f'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {float(first)}'
@@ -132,3 +134,63 @@ def test_metrics_and_stats_line_count_proposals(spec):
     line = log.line()
     assert "SpecDecoding metrics: Mean acceptance length" in line
     assert f"Accepted: {new.num_accepted_tokens} tokens, Drafted: {new.num_draft_tokens} tokens" in line
+
+
+class FixedProposer:
+    """Proposes the same tokens after every token: a draft distribution far from the model's."""
+
+    def __init__(self, tokens):
+        self.tokens = list(tokens)
+
+    def propose(self, request_id, token_ids, num_prompt_tokens, k):
+        return self.tokens[:k]
+
+    def finish(self, request_id, token_ids, num_prompt_tokens):
+        pass
+
+
+# Chi-square critical value at p = 0.001 for the degrees of freedom a table of n categories has
+# (n - 1): a correct sampler fails the test one run in a thousand; the seeds are fixed, so it
+# either always passes or always fails.
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88,
+            10: 29.59, 11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70}  # fmt: skip
+
+
+# (the tiny model's logits are nearly flat: low temperatures and top-k make few likely pairs)
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0.05}, {"temperature": 0.1, "top_p": 0.5}, {"temperature": 2.0, "top_k": 3}]
+)
+def test_sampled_tokens_keep_the_target_distribution_under_far_proposals(plain, tiny_llama_gqa, sampling):
+    """Two independent samples (disjoint seeds) of the second and third output tokens, one without
+    proposals and one with fixed proposals the model rarely agrees with, are one distribution by a
+    two-sample chi-square test over their (second, third) pairs (rare pairs pooled)."""
+    n = 1500
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+
+    def pairs(llm, seeds):
+        params = [SamplingParams(max_tokens=3, ignore_eos=True, seed=s, **sampling) for s in seeds]
+        return [tuple(o.outputs[0].token_ids[1:]) for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+
+    base = pairs(plain, range(n))
+    counts = {}
+    for p in base:
+        counts[p] = counts.get(p, 0) + 1
+    common = [p for p, c in sorted(counts.items(), key=lambda pc: -pc[1]) if c >= 20][:15]
+    # proposals: the least likely of the common pairs, every time (often wrong, sometimes right)
+    rare = min(common, key=counts.get)
+    spec = LLM(tiny_llama_gqa[0], **_kwargs(speculative_config=SPECS["ngram"]))
+    spec.llm_engine.scheduler.proposer = FixedProposer(rare)
+    before = spec.llm_engine.scheduler.spec_stats.snapshot()
+    other = pairs(spec, range(n, 2 * n))
+    stats = spec.llm_engine.scheduler.spec_stats.since(before)
+    assert stats.num_draft_tokens >= n and 0 < stats.num_accepted_tokens < stats.num_draft_tokens / 2
+    table = [
+        [sum(x == p for x in xs) for p in common] + [sum(x not in common for x in xs)] for xs in (base, other)
+    ]
+    table = [[row[j] for j in range(len(row)) if table[0][j] + table[1][j] > 0] for row in table]
+    columns = [a + b for a, b in zip(*table)]
+    chi2 = sum(
+        (table[i][j] - columns[j] / 2) ** 2 / (columns[j] / 2) for i in range(2) for j in range(len(columns))
+    )
+    assert len(columns) >= 3, "too few categories to compare"
+    assert chi2 < CHI2_999[len(columns) - 1], (chi2, table)
