@@ -4,6 +4,8 @@ seeded, with penalties, stop strings, n > 1 and max_tokens edges, while proposal
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from tiny_models import engine_kwargs
 
@@ -194,3 +196,24 @@ def test_sampled_tokens_keep_the_target_distribution_under_far_proposals(plain, 
     )
     assert len(columns) >= 3, "too few categories to compare"
     assert chi2 < CHI2_999[len(columns) - 1], (chi2, table)
+
+
+def test_constrained_rows_beside_rows_with_proposals(plain, spec, tiny_llama_gqa):
+    """A step with proposals and a grammar's mask (the verify kind with a token mask): the
+    constrained rows follow their grammar, take no proposals, and every row's tokens equal the
+    run without proposals."""
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    digits = SamplingParams(
+        temperature=0.7, seed=5, max_tokens=30, structured_outputs=StructuredOutputsParams(regex=r"\d{5}")
+    )
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[1]]
+    params = [greedy, digits, greedy, digits]
+    want = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    before = spec.llm_engine.scheduler.spec_stats.snapshot()
+    got = [o.outputs[0] for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert spec.llm_engine.scheduler.spec_stats.since(before).num_accepted_tokens > 0
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    for g in got[1::2]:
+        assert re.fullmatch(r"\d{5}", g.text)

@@ -36,7 +36,15 @@ ROWS = {
     # negative penalties: a token sampled once is likely again, so a row that failed to count the
     # proposals before it would sample differently
     "penalised": SamplingRow(
-        0.7, 0, 0.95, 0.0, 7, len(PROMPT), presence_penalty=-3.0, frequency_penalty=-0.4, repetition_penalty=1.2
+        0.7,
+        0,
+        0.95,
+        0.0,
+        7,
+        len(PROMPT),
+        presence_penalty=-3.0,
+        frequency_penalty=-0.4,
+        repetition_penalty=1.2,
     ),
 }
 
