@@ -32,10 +32,22 @@ def pytest_addoption(parser):
         "(the default is async); `--scheduling sync` runs the same tests the other way.",
     )
 
+    parser.addoption(
+        "--benchmarks",
+        action="store_true",
+        help="Also run tests/benchmarks/ (each benchmark script on a small case: its report's shape "
+        "and its token checks; CI runs them as a step of their own).",
+    )
+
 
 def pytest_collection_modifyitems(config, items):
-    """Under --scheduling sync, the tests that run their engines both ways themselves are not run
-    a second time."""
+    """The benchmark scripts' tests only with --benchmarks; under --scheduling sync, the tests
+    that run their engines both ways themselves are not run a second time."""
+    if not config.getoption("benchmarks"):
+        skip = pytest.mark.skip(reason="a benchmark script's test: run with --benchmarks")
+        for item in items:
+            if item.path.parent.name == "benchmarks":
+                item.add_marker(skip)
     if config.getoption("scheduling") == "sync":
         skip = pytest.mark.skip(reason="runs both schedulings itself")
         for item in items:
