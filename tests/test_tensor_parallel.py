@@ -1,8 +1,9 @@
 """Tensor parallelism on 8 fake CPU devices: the same greedy tokens at tp = 1, 2 and 8 (the
 KV heads split, then copied) for a GQA Llama with fewer KV heads than devices, the same with
-int8 weights and an int8 KV cache, and a Mixtral with expert parallelism; and every device
-holding only its own slice of each weight (and of each quantization scale) and of the KV pool,
-before and after a sleep (sleep mode) at either level.
+int8 weights and an int8 KV cache, and a Mixtral with expert parallelism (the float Llama at tp = 2
+with n-gram speculative decoding); and every device holding only its own slice of each weight (and
+of each quantization scale) and of the KV pool, before and after a sleep (sleep mode) at either
+level.
 
 The device count is fixed when JAX starts, so the engines run in one fresh subprocess."""
 
@@ -40,9 +41,13 @@ SCRIPT = textwrap.dedent(
     kv_cache_dtype = sys.argv[5]
     report = {}
     for tp in (1, 2, 8):
+        # the float Llama at tp = 2 proposes tokens (n-gram): its verify steps split like the rest
+        spec = tp == 2 and quantization is None and not expert_parallel
         llm = LLM(path, **engine_kwargs(tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
                                         quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                                        enable_sleep_mode=True))
+                                        enable_sleep_mode=True,
+                                        speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                            "prompt_lookup_min": 1} if spec else None))
         runner = llm.llm_engine.runner
         shards = {}
         for key, var in runner.state.flat_state():
@@ -86,6 +91,7 @@ SCRIPT = textwrap.dedent(
             "fullest_device_bytes": max(bytes_per_device(runner.state).values()),
             "pool": pool,
             "kv_scales": kv_scales,
+            "accepted": llm.llm_engine.scheduler.spec_stats.num_accepted_tokens if spec else None,
         }
         del llm, runner, pool
     if not expert_parallel:  # a converted checkpoint holds 2 KV heads; served at tp = 8 it needs copies
@@ -104,7 +110,7 @@ SCRIPT = textwrap.dedent(
     """
 )
 
-PROMPTS = [[5, 17, 300, 42, 9], list(range(20, 51)), [7]]
+PROMPTS = [[5, 17, 300, 42, 9], list(range(20, 51)), [7], [9, 10, 11, 12] * 3]
 
 
 def _run(path: str, expert_parallel: bool, quantization: str | None, kv_cache_dtype: str) -> dict:
@@ -138,10 +144,12 @@ def tp_runs(request, tmp_path_factory):
 
 
 def test_greedy_tokens_are_the_same_at_every_tensor_parallel_size(tp_runs):
-    _, model, runs = tp_runs
+    family, model, runs = tp_runs
     for tp in (2, 8, "orbax_tp8"):
         if tp in runs:
             assert runs[tp]["tokens"] == runs[1]["tokens"], f"tp={tp}"
+    if family == "llama":  # with proposals at tp = 2, some of them kept
+        assert runs[2]["accepted"] > 0
     for level, run in zip((1, 2), runs[8]["after_sleep"], strict=True):  # asleep and awake again
         assert run["tokens"] == runs[1]["tokens"] and run["same_slices"], f"sleep level {level}"
     for tp in (2, 8):  # under a JSON schema too: the mask is applied to replicated logits

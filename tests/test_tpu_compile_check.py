@@ -70,16 +70,25 @@ def compile_check(tmp_path, model: str, *flags: str) -> tuple[subprocess.Complet
     return done, (json.loads(out.read_text()) if out.exists() else {})
 
 
-@pytest.mark.parametrize("topology", ["v5e-4", "v6e-4"])
-@pytest.mark.parametrize("tp", [1, 4])
-def test_step_compiles_for_tpu_with_the_pallas_kernel(tmp_path, shape_dir, topology, tp):
-    done, report = compile_check(
-        tmp_path, shape_dir, "--topology", topology, "-tp", str(tp), *SMALL, "--programs", "quick"
-    )
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
+
+
+@pytest.mark.parametrize(
+    "topology,tp,speculative",
+    [("v5e-4", 1, None), ("v6e-4", 1, None), ("v6e-4", 4, None), ("v5e-4", 4, NGRAM)],
+)
+def test_step_compiles_for_tpu_with_the_pallas_kernel(tmp_path, shape_dir, topology, tp, speculative):
+    """With proposals (n-gram), the quick scope adds the smallest verify program: the proposed
+    tokens as extra query rows through the kernel, and the sampler's every-row acceptance."""
+    flags = ["--topology", topology, "-tp", str(tp), *SMALL, "--programs", "quick"]
+    if speculative:
+        flags += ["--speculative-config", speculative]
+    done, report = compile_check(tmp_path, shape_dir, *flags)
     assert done.returncode == 0, done.stderr[-3000:]
     assert report["attention_backend"] == "tpu" and report["dtype"] == "bfloat16"
     programs = report["programs"]
-    assert [tuple(p["bucket"]) for p in programs] == [(16, 16), (64, 16)]
+    expected = [((16, 16), "plain"), ((64, 16), "plain")] + [((16, 16), "verify")] * bool(speculative)
+    assert [(tuple(p["bucket"]), p["variant"]) for p in programs] == expected
     for p in programs:
         assert p["error"] is None
         assert p["kernels"] >= 1, "the step fell back from the Pallas kernel"

@@ -135,8 +135,9 @@ def programs_in_scope(
     ends = [every[0], every[-1]] if len(every) > 1 else every
     if scope == "all":
         return [(b, v) for b in every for v in variants]
-    if scope == "quick":
-        return [(b, variants[0]) for b in ends]
+    if scope == "quick":  # and, with proposals, the smallest verify program
+        verify = [(every[0], v) for v in variants if v.kind == "verify"][:1]
+        return [(b, variants[0]) for b in ends] + verify
     plain = [(b, variants[0]) for b in every]
     if scope == "plain":
         return plain

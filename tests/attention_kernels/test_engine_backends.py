@@ -19,25 +19,34 @@ from jaxserve.runner.step import StepVariant
 from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.scheduler_output import SchedulerOutput
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["pallas-gpu-interpret", "pallas-tpu-interpret"])
-def test_greedy_tokens_equal_the_reference_backends(tiny_llama_gqa, backend):
+@pytest.mark.parametrize(
+    "backend,speculative", [("pallas-gpu-interpret", None), ("pallas-tpu-interpret", NGRAM)]
+)
+def test_greedy_tokens_equal_the_reference_backends(tiny_llama_gqa, backend, speculative):
+    """On the TPU kernel with n-gram proposals as well: verify steps put a sequence's proposed
+    tokens through the kernel as extra query rows."""
     rng = np.random.default_rng(2)
     prompts = [{"prompt_token_ids": rng.integers(3, 500, size=n).tolist()} for n in (5, 21, 40, 9)]
+    prompts.append({"prompt_token_ids": [9, 10, 11, 12] * 3})  # its continuation repeats: proposals
     plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    # the last prompt under a grammar: the masked step (forward, then sampling) runs the kernel too
+    # the fourth prompt under a grammar: the masked step (forward, then sampling) runs the kernel too
     guided = plain.clone(structured_outputs=StructuredOutputsParams(regex="[a-z]+( [a-z]+)*"))
-    params = [plain, plain, plain, guided]
+    params = [plain, plain, plain, guided, plain]
     # the 40-token prompt is chunked; a small pool, since interpreting a kernel costs in its size
     kw = engine_kwargs(max_num_batched_tokens=32, num_gpu_blocks_override=24)
     want = [
         o.outputs[0].token_ids for o in LLM(tiny_llama_gqa[0], **kw).generate(prompts, params, use_tqdm=False)
     ]
-    llm = LLM(tiny_llama_gqa[0], attention_backend=backend, **kw)
+    llm = LLM(tiny_llama_gqa[0], attention_backend=backend, speculative_config=speculative, **kw)
     assert llm.llm_engine.config.compilation_config.attention_backend == backend.removeprefix("pallas-")
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
+    if speculative:
+        assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
     # The TPU layout pads head_dim (16 here) to whole 128-lane rows; the GPU's keeps it.
     runner = llm.llm_engine.runner
     assert runner.kv_pool.shape[-1] == (128 if "tpu" in backend else runner.args.head_dim)
