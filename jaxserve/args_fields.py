@@ -432,8 +432,10 @@ class EngineArgsFields:
         G.SPEC,
         None,
         "JSON object: speculative decoding, as vLLM's: method ngram (num_speculative_tokens, "
-        "prompt_lookup_min, prompt_lookup_max) or suffix (suffix_decoding_max_tree_depth, "
-        "suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob).",
+        "prompt_lookup_min, prompt_lookup_max), suffix (suffix_decoding_max_tree_depth, "
+        "suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob) "
+        "or draft_model (model: a smaller model of the same vocabulary, any format jaxserve serves; "
+        "num_speculative_tokens; quantization).",
     )
     # ---- ObservabilityConfig
     otlp_traces_endpoint: str | None = arg(

@@ -182,8 +182,37 @@ def build_engine_config(args: EngineArgsFields) -> EngineConfig:
         structured_outputs_config=_structured_outputs_config(args),
         lora_config=_lora_config(args),
         otlp_traces_endpoint=args.otlp_traces_endpoint or None,
-        speculative_config=speculative_config(args.speculative_config, scheduler_config),
+        speculative_config=_checked_draft(
+            speculative_config(args.speculative_config, scheduler_config), model_config, args
+        ),
     )
+
+
+def _checked_draft(
+    spec: SpeculativeConfig | None, target: ModelConfig, args: EngineArgsFields
+) -> SpeculativeConfig | None:
+    """A draft model must be one jaxserve serves, of the target's vocabulary: checked from its
+    configuration at start-up (ValueError, one line), before any weight loads."""
+    if spec is None or spec.method != "draft_model":
+        return spec
+    # the target's arguments less what names its model: the draft's own model, in the target's
+    # dtype and length
+    draft_args = dataclasses.replace(
+        args, model=spec.model, quantization=spec.quantization, dtype=target.dtype,
+        max_model_len=target.max_model_len, tokenizer=None, revision=None, code_revision=None,
+        hf_overrides=None, rope_scaling=None, rope_theta=None, load_format="auto",
+    )  # fmt: skip
+    try:
+        draft = model_config_from_args(draft_args)
+        _check_quantization_source(spec.quantization, draft)
+    except ValueError as e:
+        raise ValueError(f"--speculative-config model {spec.model!r}: {e}") from None
+    if draft.get("vocab_size") != target.get("vocab_size"):
+        raise ValueError(
+            f"--speculative-config model {spec.model!r} has a vocabulary of {draft.get('vocab_size')} "
+            f"tokens, the target {target.get('vocab_size')}: a draft must share the target's tokenizer."
+        )
+    return dataclasses.replace(spec, draft_model_config=draft)
 
 
 def speculative_config(value, scheduler: SchedulerConfig | None = None) -> SpeculativeConfig | None:
@@ -207,11 +236,17 @@ def speculative_config(value, scheduler: SchedulerConfig | None = None) -> Specu
             + ", ".join(SPECULATIVE_METHODS)
             + "."
         )
-    if model not in (None, "ngram", "[ngram]"):
+    if method == "draft_model":
+        if not model:
+            raise ValueError("--speculative-config method 'draft_model' needs a model (the draft's path).")
+        given["model"] = model
+    elif model not in (None, "ngram", "[ngram]"):
         raise ValueError(f"--speculative-config method {method!r} takes no model (got {model!r}).")
     known = {f.name for f in dataclasses.fields(SpeculativeConfig)} - {"method"}
-    prefix = "suffix_decoding_" if method == "suffix" else "prompt_lookup_"
+    prefix = {"suffix": "suffix_decoding_", "ngram": "prompt_lookup_"}.get(method, "-")
     honoured = {k for k in known if k.startswith(prefix) or k == "num_speculative_tokens"}
+    if method == "draft_model":
+        honoured |= {"model", "quantization"}
     if set(given) - honoured:
         raise ValueError(
             f"--speculative-config keys {sorted(set(given) - honoured)} do not apply to method {method!r}; "
@@ -221,8 +256,9 @@ def speculative_config(value, scheduler: SchedulerConfig | None = None) -> Specu
         low, high = given.get("prompt_lookup_min"), given.get("prompt_lookup_max")
         given["prompt_lookup_min"] = low if low is not None else (high if high is not None else 5)
         given["prompt_lookup_max"] = high if high is not None else given["prompt_lookup_min"]
+    if method in ("ngram", "draft_model"):
         if "num_speculative_tokens" not in given:
-            raise ValueError("--speculative-config method 'ngram' needs num_speculative_tokens.")
+            raise ValueError(f"--speculative-config method {method!r} needs num_speculative_tokens.")
     else:
         given.setdefault("num_speculative_tokens", given.get("suffix_decoding_max_tree_depth", 24))
     config = SpeculativeConfig(method=method, **given)

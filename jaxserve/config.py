@@ -164,8 +164,9 @@ class StructuredOutputsConfig:
     reasoning_parser: str = ""
 
 
-# --speculative-config methods jaxserve runs: proposals from the request's own tokens, on the host.
-SPECULATIVE_METHODS = ("ngram", "suffix")
+# --speculative-config methods jaxserve runs: proposals from the request's own tokens, on the host,
+# or from a smaller model of the same vocabulary on the device.
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000  # suffix: finished outputs kept to match
     suffix_decoding_max_spec_factor: float = 1.0  # suffix: proposal length <= factor x match length
     suffix_decoding_min_token_prob: float = 0.1  # suffix: stop at a continuation rarer than this
+    model: str | None = None  # draft_model: the draft's directory or .gguf file
+    quantization: str | None = None  # draft_model: the draft's --quantization
+    draft_model_config: ModelConfig | None = None  # draft_model: the draft resolved at start-up
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("jaxserve.args", "jaxserve.args_to_config", "jaxserve.args_fields", "jaxserve.model_resolution",
      "jaxserve.flags"),
     ("jaxserve.engine", "jaxserve.structured_output"),
-    ("jaxserve.runner", "jaxserve.distributed"),
+    ("jaxserve.runner", "jaxserve.distributed", "jaxserve.spec_decode.draft_model"),  # a draft runs a runner
     ("jaxserve.loader", "jaxserve.lora"),  # LoRA adapters are read like checkpoints
     ("jaxserve.models",),
     ("jaxserve.layers", "jaxserve.sharding"),

@@ -332,7 +332,12 @@ def test_values_jaxserve_honours_start_without_a_warning(served, caplog, argv, n
         (["--lora-extra-vocab-size", "512"], "--lora-extra-vocab-size"),
         (["--speculative-config.method", "ngram"], "num_speculative_tokens"),
         (["--speculative-config", '{"method": "eagle3", "model": "x"}'], "'eagle3' is not supported"),
-        (["--speculative-config", '{"model": "org/draft"}'], "'draft_model' is not supported"),
+        (["--speculative-config", '{"model": "org/draft"}'], "'draft_model' needs num_speculative_tokens"),
+        (["--speculative-config", '{"method": "draft_model", "num_speculative_tokens": 2}'], "needs a model"),
+        (
+            ["--speculative-config", '{"model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 2}'],
+            "do not apply",
+        ),
         (
             ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
             "num_speculative_tokens",

@@ -112,6 +112,11 @@ class LLMEngine:
             clock,
             config.speculative_config,
         )
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":  # on the target's mesh and page tables
+            from jaxserve.spec_decode.draft_model import DraftModelProposer
+
+            self.scheduler.proposer = DraftModelProposer(config, self.runner)
         self.adapters = None  # LoRA adapters read from disk, by lora_int_id (lora/adapter.py)
         if lora is not None:
             self.adapters = AdapterCache(lora.max_cpu_loras or lora.max_loras, self.runner.adapter_spec)

@@ -95,7 +95,11 @@ class Scheduler:
         # scheduler_delay_factor: how long the last step that started prompts took
         self.clock = clock
         # speculative decoding's source of proposed tokens, up to num_speculative_tokens a row
-        self.proposer: Proposer | None = proposer_for(speculative_config)
+        # (a draft model's, which needs the device, comes from the engine: Scheduler.proposer is set there)
+        self.proposer: Proposer | None = (
+            None if speculative_config is None or speculative_config.method == "draft_model"
+            else proposer_for(speculative_config)
+        )  # fmt: skip
         self.num_speculative_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
         self.spec_stats = SpecDecodingStats() if speculative_config is not None else None
         self._prompts_started_at: float | None = None
@@ -180,12 +184,17 @@ class Scheduler:
     def _schedule_running(self, plan: StepPlan) -> None:
         """Running requests, in order: decodes and the next chunks of ongoing prefills."""
         running, allocate = self.running, self.block_manager.allocate
+        drafts = (
+            self._propose_on_pages(plan.budget)
+            if self.proposer is not None and self.proposer.needs_pages
+            else None
+        )
         i = 0
         while i < len(running) and plan.budget > 0:
             req = running[i]
             n = self._chunk_size(req, req.num_computed_tokens, plan.budget)
             if n == 1 and self.proposer is not None:
-                n += self._propose(req, plan.budget)
+                n += self._propose(req, plan.budget, drafts)
                 if n > 1 and not allocate(req.request_id, req.num_computed_tokens + n):
                     n, req.draft_token_ids = 1, ()  # proposals never cost another request its pages
             if n > 0:
@@ -196,15 +205,34 @@ class Scheduler:
                 plan.add(req, n)
             i += 1
 
-    def _propose(self, req: Request, budget: int) -> int:
+    def _propose(self, req: Request, budget: int, drafts: dict[str, list[int]] | None) -> int:
         """Proposed tokens for a decoding request's row, kept on the request until its tokens
-        are back; how many."""
+        are back; how many. drafts: what a proposer that runs on the requests' pages proposed
+        for this step (None: the proposer is asked here)."""
         k = max_proposals(req, self.num_speculative_tokens, budget)
-        proposed = (
-            self.proposer.propose(req.request_id, req.all_token_ids, req.num_prompt_tokens, k) if k else ()
-        )
+        if drafts is not None:
+            proposed = drafts.get(req.request_id, ())[:k]
+        else:
+            proposed = (
+                self.proposer.propose(req.request_id, req.all_token_ids, req.num_prompt_tokens, k)
+                if k
+                else ()
+            )
         req.draft_token_ids = tuple(proposed)
         return len(proposed)
+
+    def _propose_on_pages(self, budget: int) -> dict[str, list[int]]:
+        """Proposals for the decoding requests, from a proposer that writes into their pages (a
+        draft model's KV): each first gets the pages of its proposals, where free pages allow
+        (never by preempting), and those that got them are proposed for in one call."""
+        rows = []
+        for req in self.running:
+            k = max_proposals(req, self.num_speculative_tokens, budget)
+            if k and self.block_manager.allocate(req.request_id, req.num_computed_tokens + 1 + k):
+                rows.append(
+                    (req.request_id, req.all_token_ids, self.block_manager.block_ids(req.request_id), k)
+                )
+        return self.proposer.propose_many(rows) if rows else {}
 
     def _preempt_for(self, req: Request, n: int, plan: StepPlan) -> bool:
         """Pages for the request's next n tokens by preempting from the tail of the running

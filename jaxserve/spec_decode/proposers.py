@@ -23,7 +23,11 @@ from jaxserve.config import SpeculativeConfig
 
 
 class Proposer(Protocol):
-    """What the scheduler calls, once per step for each request that decodes."""
+    """What the scheduler calls, once per step for each request that decodes (or, for a proposer
+    that `needs_pages`, propose_many once per step for all of them, after giving each the pages
+    of its proposals)."""
+
+    needs_pages: bool
 
     def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, k: int) -> list[int]:
         """Up to k draft tokens to follow token_ids (the request's prompt followed by its outputs
@@ -33,6 +37,13 @@ class Proposer(Protocol):
     def finish(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         """The request ended (finished, aborted or failed): forget its per-request state; a
         proposer that learns from past outputs keeps the outputs."""
+        ...
+
+    def propose_many(
+        self, rows: Sequence[tuple[str, Sequence[int], Sequence[int], int]]
+    ) -> dict[str, list[int]]:
+        """needs_pages only: up to k proposals for each (request id, its token ids, its page table,
+        k), whose pages hold k - 1 positions past its tokens."""
         ...
 
 
@@ -106,6 +117,8 @@ class NgramProposer:
     calls; finish() drops it. A call costs O(new tokens + text length / SIMD width + max_n x
     candidates), with the text scanned by numpy.
     """
+
+    needs_pages = False  # proposes on the host, from tokens alone
 
     def __init__(self, min_n: int, max_n: int) -> None:
         if not 1 <= min_n <= max_n:
@@ -329,6 +342,8 @@ class SuffixProposer:
     matches in O(max_tree_depth x log max_tree_depth) steps and proposes in O(k x followers);
     finish() adds and evicts O(output tokens x shared depth) nodes.
     """
+
+    needs_pages = False  # proposes on the host, from tokens alone
 
     def __init__(
         self,

@@ -19,6 +19,8 @@ class OracleProposer:
     """Proposes the fake model's own continuation, wrong from a random position on (or at once),
     so rows keep anything from none to all of their proposals."""
 
+    needs_pages = False
+
     def __init__(self, seed: int = 0):
         self.rng = random.Random(seed)
         self.finished: list[str] = []
@@ -36,8 +38,29 @@ class OracleProposer:
         self.finished.append(request_id)
 
 
-def _with_proposals(scheduler: Scheduler, k: int, seed: int = 0) -> OracleProposer:
-    proposer = OracleProposer(seed)
+class PagedOracleProposer(OracleProposer):
+    """The same proposals for all decoding rows at once, as a draft model makes them: each row's
+    pages must already hold the positions a draft model writes (its tokens and the first k - 1
+    of its k proposals)."""
+
+    needs_pages = True
+
+    def __init__(self, seed: int, block_size: int, k: int):
+        super().__init__(seed)
+        self.block_size, self.k, self.calls = block_size, k, 0
+
+    def propose_many(self, rows):
+        self.calls += 1
+        out = {}
+        for request_id, token_ids, pages, k in rows:
+            assert 0 < k <= self.k and len(pages) * self.block_size >= len(token_ids) + k - 1
+            out[request_id] = self.propose(request_id, token_ids, 0, self.k)  # (more than k: trimmed)
+        return out
+
+
+def _with_proposals(scheduler: Scheduler, k: int, seed: int = 0, paged: bool = False) -> OracleProposer:
+    block_size = scheduler.block_manager.block_size
+    proposer = PagedOracleProposer(seed, block_size, k) if paged else OracleProposer(seed)
     scheduler.proposer, scheduler.num_speculative_tokens = proposer, k
     scheduler.spec_stats = SpecDecodingStats()
     return proposer
@@ -49,9 +72,12 @@ def _workload(make_request):
     return [make_request(p, max_tokens=9 + i % 7, stop_token_ids=[120 + i]) for i, p in enumerate(prompts)]
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["host", "on-pages"])
 @pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("num_blocks", [200, 14])  # 14: preemption
-def test_outputs_equal_without_proposals(make_scheduler, make_request, run, prefix_caching, num_blocks):
+def test_outputs_equal_without_proposals(
+    make_scheduler, make_request, run, prefix_caching, num_blocks, paged
+):
     reference = make_scheduler(num_blocks=200, enable_prefix_caching=prefix_caching)
     expected = _workload(make_request)
     for r in expected:
@@ -61,7 +87,7 @@ def test_outputs_equal_without_proposals(make_scheduler, make_request, run, pref
     sched = make_scheduler(
         num_blocks=num_blocks, enable_prefix_caching=prefix_caching, max_num_batched_tokens=24
     )
-    proposer = _with_proposals(sched, k=4)
+    proposer = _with_proposals(sched, k=4, paged=paged)
     reqs = _workload(make_request)
     for r in reqs:
         sched.add_request(r)
@@ -75,6 +101,8 @@ def test_outputs_equal_without_proposals(make_scheduler, make_request, run, pref
     assert sorted(proposer.finished) == sorted(r.request_id for r in reqs)
     # fewer steps than tokens: rows kept several tokens
     assert len(steps) < sum(r.num_output_tokens for r in expected)
+    if paged:  # one call a step for all rows
+        assert 0 < proposer.calls <= len(steps)
 
 
 def test_proposals_stop_at_max_tokens_and_respect_the_budget(make_scheduler, make_request, run):

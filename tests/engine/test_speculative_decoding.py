@@ -1,4 +1,4 @@
-"""Speculative decoding through the whole engine: with n-gram or suffix proposals, every request
+"""Speculative decoding through the whole engine: with n-gram, suffix or draft-model proposals, every request
 gets exactly the tokens (and logprobs, text, finish reasons) it gets without them, greedy or
 seeded, with penalties, stop strings, n > 1 and max_tokens edges, while proposals are kept."""
 
@@ -33,9 +33,15 @@ def plain(tiny_llama_gqa):
     return LLM(tiny_llama_gqa[0], **_kwargs())
 
 
-@pytest.fixture(scope="module", params=sorted(SPECS))
+@pytest.fixture(scope="module", params=[*sorted(SPECS), "draft_model"])
 def spec(request, tiny_llama_gqa):
-    return LLM(tiny_llama_gqa[0], **_kwargs(speculative_config=SPECS[request.param]))
+    # the draft model: the target itself, whose greedy proposals the target keeps (nearly) all
+    config = SPECS.get(request.param) or {
+        "method": "draft_model",
+        "model": tiny_llama_gqa[0],
+        "num_speculative_tokens": 3,
+    }
+    return LLM(tiny_llama_gqa[0], **_kwargs(speculative_config=config))
 
 
 def _same(plain, spec, params, prompts=PROMPTS):
@@ -63,6 +69,9 @@ def test_greedy_tokens_equal_and_proposals_are_kept(plain, spec):
     assert stats.num_accepted_tokens <= stats.num_draft_tokens
     assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
     assert stats.accepted_per_pos == sorted(stats.accepted_per_pos, reverse=True)
+    if spec.llm_engine.config.speculative_config.method == "draft_model":
+        # its own proposals: only the numerics of other row counts may differ, at near-ties
+        assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens
 
 
 def test_seeded_sampling_penalties_and_logprobs_equal(plain, spec):
@@ -141,6 +150,8 @@ def test_metrics_and_stats_line_count_proposals(spec):
 class FixedProposer:
     """Proposes the same tokens after every token: a draft distribution far from the model's."""
 
+    needs_pages = False
+
     def __init__(self, tokens):
         self.tokens = list(tokens)
 
@@ -217,3 +228,17 @@ def test_constrained_rows_beside_rows_with_proposals(plain, spec, tiny_llama_gqa
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     for g in got[1::2]:
         assert re.fullmatch(r"\d{5}", g.text)
+
+
+def test_a_draft_of_another_vocabulary_or_none_at_all_is_refused_at_start_up(tiny_llama_gqa, tmp_path):
+    from tiny_models import TINY_LLAMA, make_checkpoint
+
+    other = tmp_path / "other-vocab"
+    make_checkpoint(
+        str(other), "LlamaConfig", "LlamaForCausalLM", {**TINY_LLAMA, "vocab_size": 384}, "float32", 0
+    )
+    draft = {"method": "draft_model", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=r"vocabulary of 384 tokens.*must share the target's tokenizer"):
+        LLM(tiny_llama_gqa[0], **_kwargs(speculative_config={**draft, "model": str(other)}))
+    with pytest.raises(ValueError, match=r"^--speculative-config model '.*missing'"):
+        LLM(tiny_llama_gqa[0], **_kwargs(speculative_config={**draft, "model": str(tmp_path / "missing")}))
