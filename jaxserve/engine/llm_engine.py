@@ -76,6 +76,17 @@ def build_runner(config: EngineConfig, devices=None, step_cache=None):
     return ModelRunner(config, mesh, step_cache=step_cache)
 
 
+def draft_proposer(config: EngineConfig, runner):
+    """A draft model's proposer (speculative method draft_model), on the runner's mesh and page
+    tables; None for every other configuration."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    from jaxserve.spec_decode.draft_model import DraftModelProposer
+
+    return DraftModelProposer(config, runner)
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -111,12 +122,8 @@ class LLMEngine:
             lora.max_loras if lora else 0,
             clock,
             config.speculative_config,
+            draft_proposer(config, self.runner),
         )
-        spec = config.speculative_config
-        if spec is not None and spec.method == "draft_model":  # on the target's mesh and page tables
-            from jaxserve.spec_decode.draft_model import DraftModelProposer
-
-            self.scheduler.proposer = DraftModelProposer(config, self.runner)
         self.adapters = None  # LoRA adapters read from disk, by lora_int_id (lora/adapter.py)
         if lora is not None:
             self.adapters = AdapterCache(lora.max_cpu_loras or lora.max_loras, self.runner.adapter_spec)

@@ -61,9 +61,11 @@ class Scheduler:
         num_lora_slots: int = 0,
         clock: Callable[[], float] = time.monotonic,
         speculative_config: SpeculativeConfig | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         """clock: the engine's clock, the one requests' arrival times are on (seconds).
-        speculative_config: rows of decoding requests are fed proposed tokens (spec_decode/)."""
+        speculative_config: rows of decoding requests are fed proposed tokens (spec_decode/), from
+        `proposer` if given (a draft model's, which the engine builds), else the method's own."""
         if scheduler_config.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {scheduler_config.policy!r}.")
         if scheduler_config.preemption_mode != "recompute":
@@ -95,11 +97,8 @@ class Scheduler:
         # scheduler_delay_factor: how long the last step that started prompts took
         self.clock = clock
         # speculative decoding's source of proposed tokens, up to num_speculative_tokens a row
-        # (a draft model's, which needs the device, comes from the engine: Scheduler.proposer is set there)
-        self.proposer: Proposer | None = (
-            None if speculative_config is None or speculative_config.method == "draft_model"
-            else proposer_for(speculative_config)
-        )  # fmt: skip
+        # (a draft model's, which needs the device, comes from the engine: `proposer`)
+        self.proposer: Proposer | None = proposer or proposer_for(speculative_config)
         self.num_speculative_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
         self.spec_stats = SpecDecodingStats() if speculative_config is not None else None
         self._prompts_started_at: float | None = None

@@ -450,7 +450,7 @@ class SuffixProposer:
 
 def proposer_for(spec: SpeculativeConfig | None) -> Proposer | None:
     """Speculative decoding's proposer of a configuration (None: none)."""
-    if spec is None:
+    if spec is None or spec.method == "draft_model":  # (built by the engine: it needs the device)
         return None
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
