@@ -10,7 +10,8 @@ which is never handed out). The draft remembers how many of a request's
 tokens its cache holds; each call feeds it the rest (the tokens the target kept since, or a
 whole prompt the first time), then runs k - 1 one-token steps in one jitted loop: one device
 call per engine step for all requests, not k host round trips. A call whose tokens exceed the
-largest bucket feeds the oldest first, over several calls.
+largest bucket feeds the oldest first, over several calls. The program of every bucket compiles
+at start-up (on use under enforce_eager).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import EngineConfig
 from jaxserve.runner import batch as batch_lib
@@ -124,6 +126,10 @@ class DraftModelProposer:
             donate_argnums=(1,),
         )
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self.replicated = NamedSharding(self.runner.mesh, PartitionSpec())
+        if not config.compilation_config.enforce_eager:  # no request compiles (the target's rule)
+            for bucket in self.layout.buckets.all():
+                self._compile(bucket)
 
     def propose_many(
         self, rows: Sequence[tuple[str, Sequence[int], Sequence[int], int]]
@@ -165,20 +171,25 @@ class DraftModelProposer:
         n, held = self.cached.get(request_id, (0, ()))
         return n if tuple(pages[: len(held)]) == held else 0
 
-    def _run(self, sched: SchedulerOutput):
-        bucket = self.layout.buckets.pick(sched.num_tokens, len(sched.seqs))
-        inputs = batch_lib.PackedBatch.pack(self.layout.prepare(sched, bucket))
+    def _compile(self, bucket: tuple[int, int]) -> jax.stages.Compiled:
         compiled = self._compiled.get(bucket)
         if compiled is None:
+            empty = batch_lib.PackedBatch.pack(self.layout.prepare(SchedulerOutput(seqs=()), bucket))
             args = (
                 abstract(self.runner.state),
                 abstract(self.runner.kv_pool),
-                abstract(inputs, self.runner._replicated),
+                abstract(empty, self.replicated),
             )
-            with jax.set_mesh(self.runner.mesh):
+            with jax.set_mesh(self.runner.mesh):  # layers that split work by hand read the mesh
                 compiled = self._compiled[bucket] = self._program.lower(*args).compile()
-        inputs = jax.device_put(inputs, self.runner._replicated)
-        self.runner.kv_pool, out = compiled(self.runner.state, self.runner.kv_pool, inputs)
+        return compiled
+
+    def _run(self, sched: SchedulerOutput):
+        bucket = self.layout.buckets.pick(sched.num_tokens, len(sched.seqs))
+        inputs = jax.device_put(
+            batch_lib.PackedBatch.pack(self.layout.prepare(sched, bucket)), self.replicated
+        )
+        self.runner.kv_pool, out = self._compile(bucket)(self.runner.state, self.runner.kv_pool, inputs)
         return jax.device_get(out)
 
     def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, k: int) -> list[int]:

@@ -102,15 +102,21 @@ def test_several_samples_of_one_prompt(plain, spec):
     _same(plain, spec, SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=24, ignore_eos=True))
 
 
-def test_start_up_compiles_the_verify_kind_and_no_request_compiles(tiny_llama_gqa):
-    llm = LLM(tiny_llama_gqa[0], **_kwargs(speculative_config=SPECS["ngram"], enforce_eager=False))
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_start_up_compiles_the_verify_kind_and_no_request_compiles(tiny_llama_gqa, method):
+    config = SPECS.get(method) or {"method": method, "model": tiny_llama_gqa[0], "num_speculative_tokens": 3}
+    llm = LLM(tiny_llama_gqa[0], **_kwargs(speculative_config=config, enforce_eager=False))
     runner = llm.llm_engine.runner
     runner.wait_compiled()
     compiled = runner.num_compiled
     assert compiled == 2 * len(runner.buckets.all())  # each bucket's generate and verify programs
+    proposer = llm.llm_engine.scheduler.proposer
+    drafts = dict(getattr(proposer, "_compiled", {}))  # a draft model's programs, one a bucket
+    assert len(drafts) == (len(runner.buckets.all()) if method == "draft_model" else 0)
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
     assert runner.num_compiled == compiled
+    assert dict(getattr(proposer, "_compiled", {})) == drafts
 
 
 def test_metrics_and_stats_line_count_proposals(spec):
