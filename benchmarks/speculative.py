@@ -1,6 +1,6 @@
-"""Decode speed with speculative decoding (n-gram and suffix proposals) against without, on the
-default model, in one process: each configuration is its own offline LLM, and the rounds alternate
-between them so that a noisy machine slows all of them alike.
+"""Decode speed with speculative decoding (n-gram, suffix and draft-model proposals) against
+without, on the default model, in one process: each configuration is its own offline LLM, and the
+rounds alternate between them so that a noisy machine slows all of them alike.
 
 Workloads (chat template, `ignore_eos` off; the same tokens come out with and without proposals,
 so equal token counts and the time ratio is the speed-up):
@@ -22,16 +22,24 @@ Reported per workload, batch size and method: decode tokens/s, its ratio to no p
 same round (median over rounds), and the mean acceptance length (tokens a row keeps per step).
 
     python benchmarks/speculative.py [--batch-sizes 1 8] [--max-tokens 128] [--rounds 3]
-        [--methods ngram suffix] [--num-speculative-tokens 3] [--output-json FILE]
+        [--methods ngram suffix draft_model] [--draft-layers 8] [--num-speculative-tokens 3]
+        [--output-json FILE]
+
+The draft_model method's draft is the default model's first --draft-layers layers (a GGUF written
+by truncated_gguf, with the model's own embeddings and head): no smaller model of SmolLM2's
+vocabulary is on this machine's package index.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
+import re
 import statistics
+import tempfile
 import time
 
 PARAGRAPH = (
@@ -74,7 +82,8 @@ def _prompts(llm, workload: str, batch: int) -> list:
 def _decode_rate(llm, prompts, params) -> tuple[float, list[list[int]], float]:
     """(output tokens per second of decode, each output's tokens, mean acceptance length)."""
     engine = llm.llm_engine
-    if engine.scheduler.proposer is not None:  # no suffix cache of earlier rounds' identical outputs
+    proposer = engine.scheduler.proposer
+    if proposer is not None and not proposer.needs_pages:  # no suffix cache of earlier rounds' outputs
         from jaxserve.spec_decode.proposers import proposer_for
 
         engine.scheduler.proposer = proposer_for(engine.config.speculative_config)
@@ -128,7 +137,37 @@ def check_same_tokens(llms: dict, num_prompts: int, max_tokens: int) -> dict:
     return checked
 
 
-def build(methods: list[str], k: int, max_model_len: int) -> dict:
+def truncated_gguf(path: str, layers: int, out: str) -> str:
+    """A copy of a GGUF model with its first `layers` blocks only (its embeddings, final norm and
+    head kept): a draft model of the same vocabulary, cut from the model itself."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(out, arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue  # (written by the writer itself)
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        value = layers if field.name == f"{arch}.block_count" else field.contents()
+        writer.add_key_value(field.name, value, kind, sub_type=sub)
+    kept = []
+    for t in reader.tensors:
+        block = re.match(r"blk\.(\d+)\.", t.name)
+        if block is None or int(block.group(1)) < layers:
+            kept.append(t)
+            writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in kept:
+        writer.write_tensor_data(t.data)
+    writer.close()
+    return out
+
+
+def build(methods: list[str], k: int, max_model_len: int, draft_layers: int = 8) -> dict:
     from jaxserve import LLM
     from jaxserve.loader.default_model import default_model_path
 
@@ -142,6 +181,12 @@ def build(methods: list[str], k: int, max_model_len: int) -> dict:
         },
         "suffix": {"method": "suffix", "num_speculative_tokens": k},
     }
+    if "draft_model" in methods:
+        draft = os.path.join(tempfile.mkdtemp(prefix="jaxserve-draft-"), f"draft-{draft_layers}-layers.gguf")
+        specs["draft_model"] = {
+            "model": truncated_gguf(model, draft_layers, draft),
+            "num_speculative_tokens": k,
+        }
     llms = {"none": LLM(model, max_model_len=max_model_len, max_num_seqs=16)}
     for m in methods:
         llms[m] = LLM(model, max_model_len=max_model_len, max_num_seqs=16, speculative_config=specs[m])
@@ -154,6 +199,12 @@ def main(argv=None) -> int:
     parser.add_argument("--workloads", nargs="+", default=["repetitive", "chat", "random"])
     parser.add_argument("--methods", nargs="+", default=["ngram", "suffix"])
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        default=8,
+        help="draft_model: the default model's first N layers, cut from it.",
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--check-prompts", type=int, default=100)
@@ -162,7 +213,7 @@ def main(argv=None) -> int:
     ns = parser.parse_args(argv)
     from jaxserve import SamplingParams
 
-    llms = build(ns.methods, ns.num_speculative_tokens, 1024)
+    llms = build(ns.methods, ns.num_speculative_tokens, 1024, ns.draft_layers)
     checked = check_same_tokens(llms, ns.check_prompts, ns.check_tokens) if ns.check_prompts else {}
     results = []
     for workload in ns.workloads:

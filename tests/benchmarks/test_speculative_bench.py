@@ -44,3 +44,26 @@ def test_token_check_names_a_difference(llms, monkeypatch):
     monkeypatch.setattr(llms["ngram"], "generate", one_token_off)
     with pytest.raises(AssertionError, match="ngram changed the tokens of prompt 1"):
         bench.check_same_tokens(llms, 4, 6)
+
+
+def test_a_draft_cut_from_the_default_model_keeps_its_vocabulary(default_gguf, tmp_path):
+    """draft_model's draft: the default model's first two layers, its embeddings, norm and head,
+    a GGUF the engine resolves as a draft of the same vocabulary."""
+    import gguf
+
+    from jaxserve.args import EngineArgs
+
+    bench = load_benchmark("speculative")
+    draft = bench.truncated_gguf(default_gguf, 2, str(tmp_path / "draft.gguf"))
+    full, cut = gguf.GGUFReader(default_gguf), gguf.GGUFReader(draft)
+    assert cut.fields["llama.block_count"].contents() == 2
+    names = {t.name for t in cut.tensors}
+    assert {"token_embd.weight", "output_norm.weight", "blk.1.ffn_down.weight"} <= names
+    assert not any(n.startswith("blk.2.") for n in names)
+    assert names == {
+        t.name for t in full.tensors if not t.name.startswith("blk.") or t.name.split(".")[1] in "01"
+    }
+    spec = {"model": draft, "num_speculative_tokens": 2}
+    config = EngineArgs(model=default_gguf, speculative_config=spec).create_engine_config()
+    assert config.speculative_config.method == "draft_model"
+    assert config.speculative_config.draft_model_config.get("num_hidden_layers") == 2
