@@ -69,7 +69,12 @@ def validate(args: EngineArgsFields) -> None:
         exporter_class()  # the packages and the protocol are there
     _check_kv_scales(args)
     _check_rope(args)
-    speculative_config(args.speculative_config)
+    spec = speculative_config(args.speculative_config)
+    if spec is not None and spec.method == "draft_model" and (args.num_processes or 1) > 1:
+        raise ValueError(
+            "--speculative-config method 'draft_model' runs on one process; with several "
+            "(--num-processes) use method ngram or suffix."
+        )
     _check_distributed(args)
     if _structured_outputs_config(args).disable_fallback and not args.guided_decoding_disable_fallback:
         warnings.append(

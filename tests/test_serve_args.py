@@ -335,6 +335,10 @@ def test_values_jaxserve_honours_start_without_a_warning(served, caplog, argv, n
         (["--speculative-config", '{"model": "org/draft"}'], "'draft_model' needs num_speculative_tokens"),
         (["--speculative-config", '{"method": "draft_model", "num_speculative_tokens": 2}'], "needs a model"),
         (
+            ["--speculative-config", '{"model": "d", "num_speculative_tokens": 2}', "--num-processes", "2"],
+            "runs on one process",
+        ),
+        (
             ["--speculative-config", '{"model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 2}'],
             "do not apply",
         ),

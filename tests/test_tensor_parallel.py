@@ -1,7 +1,7 @@
 """Tensor parallelism on 8 fake CPU devices: the same greedy tokens at tp = 1, 2 and 8 (the
 KV heads split, then copied) for a GQA Llama with fewer KV heads than devices, the same with
 int8 weights and an int8 KV cache, and a Mixtral with expert parallelism (the float Llama at tp = 2
-with n-gram speculative decoding); and every device holding only its own slice of each weight (and
+with a draft model's proposals); and every device holding only its own slice of each weight (and
 of each quantization scale) and of the KV pool, before and after a sleep (sleep mode) at either
 level.
 
@@ -41,13 +41,13 @@ SCRIPT = textwrap.dedent(
     kv_cache_dtype = sys.argv[5]
     report = {}
     for tp in (1, 2, 8):
-        # the float Llama at tp = 2 proposes tokens (n-gram): its verify steps split like the rest
+        # the float Llama at tp = 2 proposes tokens with a draft model (itself) on the same mesh:
+        # the draft's runner and the verify steps split like the rest
         spec = tp == 2 and quantization is None and not expert_parallel
         llm = LLM(path, **engine_kwargs(tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
                                         quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                                         enable_sleep_mode=True,
-                                        speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                            "prompt_lookup_min": 1} if spec else None))
+                                        speculative_config={"model": path, "num_speculative_tokens": 3} if spec else None))
         runner = llm.llm_engine.runner
         shards = {}
         for key, var in runner.state.flat_state():
@@ -148,7 +148,7 @@ def test_greedy_tokens_are_the_same_at_every_tensor_parallel_size(tp_runs):
     for tp in (2, 8, "orbax_tp8"):
         if tp in runs:
             assert runs[tp]["tokens"] == runs[1]["tokens"], f"tp={tp}"
-    if family == "llama":  # with proposals at tp = 2, some of them kept
+    if family == "llama":  # with a draft model (itself) at tp = 2, its proposals kept
         assert runs[2]["accepted"] > 0
     for level, run in zip((1, 2), runs[8]["after_sleep"], strict=True):  # asleep and awake again
         assert run["tokens"] == runs[1]["tokens"] and run["same_slices"], f"sleep level {level}"

@@ -115,6 +115,7 @@ class LLMEngine:
                 kv_scales.calibration_ids(self.tokenizer, self.runner.args.vocab_size)
             )
         lora = config.lora_config
+        self.draft = draft_proposer(config, self.runner)  # a draft model's proposer, if any
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
@@ -122,7 +123,7 @@ class LLMEngine:
             lora.max_loras if lora else 0,
             clock,
             config.speculative_config,
-            draft_proposer(config, self.runner),
+            self.draft,
         )
         self.adapters = None  # LoRA adapters read from disk, by lora_int_id (lora/adapter.py)
         if lora is not None:
@@ -139,9 +140,7 @@ class LLMEngine:
         self._between_steps = IterationStats()  # aborts since the last step, counted with the next
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._in_flight: Dispatched | None = None  # dispatched, not collected yet
-        self.pacer = StepPacer(
-            clock=clock
-        )  # when the server's loop plans the next step (asynchronous scheduling)
+        self.pacer = StepPacer(clock=clock)  # when the server's loop plans the next step (async)
         self._counter = itertools.count()
         self._released: tuple[str, ...] = ()  # what sleep() freed and wake_up() has not taken back
         self.tracer = None  # a span per finished request (engine/tracing.py), sent as it is recorded
@@ -260,7 +259,7 @@ class LLMEngine:
         outputs = self.settle()
         self.scheduler.drop_all_kv()
         start = time.perf_counter()
-        freed = self.runner.sleep(level)
+        freed = self.runner.sleep(level) + (self.draft.sleep(level) if self.draft else 0)
         self._released = tuple(self.runner.released)
         logger.info(
             "Asleep (level %d): freed %.2f GiB of device memory in %.2f s",
@@ -279,6 +278,8 @@ class LLMEngine:
             raise ValueError(f"Unknown wake_up tags {unknown}; known: {list(SLEEP_TAGS)}.")
         start = time.perf_counter()
         self.runner.wake_up(tags)
+        if self.draft is not None:
+            self.draft.wake_up(tags)
         self._released = tuple(self.runner.released)
         logger.info(
             "Woke %s in %.2f s%s",

@@ -197,3 +197,12 @@ class DraftModelProposer:
 
     def finish(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         self.cached.pop(request_id, None)
+
+    def sleep(self, level: int) -> int:
+        """The engine sleeps: the draft's weights and pool go too (bytes freed); its cache of
+        every request is gone."""
+        self.cached.clear()
+        return self.runner.sleep(level)
+
+    def wake_up(self, tags) -> None:
+        self.runner.wake_up(tags)

@@ -248,3 +248,21 @@ def test_a_draft_of_another_vocabulary_or_none_at_all_is_refused_at_start_up(tin
         LLM(tiny_llama_gqa[0], **_kwargs(speculative_config={**draft, "model": str(other)}))
     with pytest.raises(ValueError, match=r"^--speculative-config model '.*missing'"):
         LLM(tiny_llama_gqa[0], **_kwargs(speculative_config={**draft, "model": str(tmp_path / "missing")}))
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_draft_model_sleeps_and_wakes_with_the_engine(tiny_llama_gqa, level):
+    draft = {"method": "draft_model", "model": tiny_llama_gqa[0], "num_speculative_tokens": 3}
+    llm = LLM(tiny_llama_gqa[0], **_kwargs(speculative_config=draft, enable_sleep_mode=True))
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    draft_runner = llm.llm_engine.draft.runner
+    llm.sleep(level)
+    assert set(draft_runner.released) == {"weights", "kv_cache"} and not llm.llm_engine.draft.cached
+    llm.wake_up()
+    assert draft_runner.released == ()
+    stats = llm.llm_engine.scheduler.spec_stats
+    start = stats.snapshot()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == before
+    again = stats.since(start)
+    assert again.num_accepted_tokens >= 0.95 * again.num_draft_tokens > 0  # its weights came back
