@@ -176,9 +176,14 @@ class StepPrograms:
                 compiled = self._build("step", variant, (self.state, self.kv_pool, processors, last, inputs))
             else:
                 fwd_args = (self.state, self.kv_pool, last, inputs)
-                fwd = self._build("forward", variant, fwd_args)
+                # the forward pass reads no sampling option: variants that differ in those alone
+                # share one program (per input shapes, which tell the kinds apart)
+                fwd_variant = StepVariant(
+                    with_prompt_logprobs=variant.with_prompt_logprobs, with_token_bitmask=True
+                )
+                fwd = self._build("forward", fwd_variant, fwd_args)
                 with jax.set_mesh(self.mesh):
-                    logits = jax.eval_shape(self.programs["forward", variant], *fwd_args)[1]
+                    logits = jax.eval_shape(self.programs["forward", fwd_variant], *fwd_args)[1]
                 logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=fwd.output_shardings[1])
                 bitmask = jax.ShapeDtypeStruct(
                     (bucket[1], self.mask_words), jnp.int32, sharding=self.replicated

@@ -94,3 +94,18 @@ def test_kept_tokens_are_the_tokens_of_plain_steps(runner, kind):
     spec = _run(runner, "b", (7, 8, 9, 10, 11, 12), row, lambda out: tuple(plain[len(out) : len(out) + K]), 4)
     assert spec[: len(plain)] == plain[: len(spec)]
     assert len(spec) == 1 + 4 * (K + 1)
+
+
+def test_masked_variants_share_one_forward_program_per_input_shape(runner):
+    """The forward half of a masked step reads no sampling option: variants that differ in those
+    alone compile it once (per kind: the verify layout's inputs have other shapes)."""
+    bucket = runner.buckets.all()[0]
+    plain = StepVariant(with_token_bitmask=True)
+    for other in (
+        StepVariant(with_token_bitmask=True, with_top_logprobs=True, with_processor_state=True),
+        StepVariant(with_token_bitmask=True, kind="verify"),
+    ):
+        same = runner.steps.compile(bucket, other)[0] is runner.steps.compile(bucket, plain)[0]
+        assert same == (other.kind == plain.kind)
+    with_prompt = StepVariant(with_token_bitmask=True, with_prompt_logprobs=True)
+    assert runner.steps.compile(bucket, with_prompt)[0] is not runner.steps.compile(bucket, plain)[0]
