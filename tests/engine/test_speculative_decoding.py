@@ -266,3 +266,17 @@ def test_a_draft_model_sleeps_and_wakes_with_the_engine(tiny_llama_gqa, level):
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == before
     again = stats.since(start)
     assert again.num_accepted_tokens >= 0.95 * again.num_draft_tokens > 0  # its weights came back
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_preempted_requests_with_proposals_give_the_same_tokens(plain, tiny_llama_gqa, method):
+    """A pool too small for the batch: requests are preempted (their pages, and a draft model's
+    cache of them, gone) and recomputed, with the same tokens as without proposals."""
+    config = SPECS.get(method) or {"method": method, "model": tiny_llama_gqa[0], "num_speculative_tokens": 3}
+    llm = LLM(tiny_llama_gqa[0], **_kwargs(speculative_config=config, num_gpu_blocks_override=20))
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    assert got == want
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
