@@ -23,7 +23,7 @@ same round (median over rounds), and the mean acceptance length (tokens a row ke
 
     python benchmarks/speculative.py [--batch-sizes 1 8] [--max-tokens 128] [--rounds 3]
         [--methods ngram suffix draft_model] [--draft-layers 8] [--num-speculative-tokens 3]
-        [--output-json FILE]
+        [--disable-by-batch-size N] [--output-json FILE]
 
 The draft_model method's draft is the default model's first --draft-layers layers (a GGUF written
 by truncated_gguf, with the model's own embeddings and head): no smaller model of SmolLM2's
@@ -167,7 +167,13 @@ def truncated_gguf(path: str, layers: int, out: str) -> str:
     return out
 
 
-def build(methods: list[str], k: int, max_model_len: int, draft_layers: int = 8) -> dict:
+def build(
+    methods: list[str],
+    k: int,
+    max_model_len: int,
+    draft_layers: int = 8,
+    disable_by_batch_size: int | None = None,
+) -> dict:
     from jaxserve import LLM
     from jaxserve.loader.default_model import default_model_path
 
@@ -187,6 +193,8 @@ def build(methods: list[str], k: int, max_model_len: int, draft_layers: int = 8)
             "model": truncated_gguf(model, draft_layers, draft),
             "num_speculative_tokens": k,
         }
+    if disable_by_batch_size:
+        specs = {m: {**spec, "disable_by_batch_size": disable_by_batch_size} for m, spec in specs.items()}
     llms = {"none": LLM(model, max_model_len=max_model_len, max_num_seqs=16)}
     for m in methods:
         llms[m] = LLM(model, max_model_len=max_model_len, max_num_seqs=16, speculative_config=specs[m])
@@ -205,6 +213,12 @@ def main(argv=None) -> int:
         default=8,
         help="draft_model: the default model's first N layers, cut from it.",
     )
+    parser.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=None,
+        help="No proposals while more requests than this run.",
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--check-prompts", type=int, default=100)
@@ -213,7 +227,7 @@ def main(argv=None) -> int:
     ns = parser.parse_args(argv)
     from jaxserve import SamplingParams
 
-    llms = build(ns.methods, ns.num_speculative_tokens, 1024, ns.draft_layers)
+    llms = build(ns.methods, ns.num_speculative_tokens, 1024, ns.draft_layers, ns.disable_by_batch_size)
     checked = check_same_tokens(llms, ns.check_prompts, ns.check_tokens) if ns.check_prompts else {}
     results = []
     for workload in ns.workloads:

@@ -435,7 +435,7 @@ class EngineArgsFields:
         "prompt_lookup_min, prompt_lookup_max), suffix (suffix_decoding_max_tree_depth, "
         "suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob) "
         "or draft_model (model: a smaller model of the same vocabulary, any format jaxserve serves; "
-        "num_speculative_tokens; quantization).",
+        "num_speculative_tokens; quantization); any method: disable_by_batch_size.",
     )
     # ---- ObservabilityConfig
     otlp_traces_endpoint: str | None = arg(

@@ -249,7 +249,9 @@ def speculative_config(value, scheduler: SchedulerConfig | None = None) -> Specu
         raise ValueError(f"--speculative-config method {method!r} takes no model (got {model!r}).")
     known = {f.name for f in dataclasses.fields(SpeculativeConfig)} - {"method"}
     prefix = {"suffix": "suffix_decoding_", "ngram": "prompt_lookup_"}.get(method, "-")
-    honoured = {k for k in known if k.startswith(prefix) or k == "num_speculative_tokens"}
+    honoured = {
+        k for k in known if k.startswith(prefix) or k in ("num_speculative_tokens", "disable_by_batch_size")
+    }
     if method == "draft_model":
         honoured |= {"model", "quantization"}
     if set(given) - honoured:
@@ -281,6 +283,8 @@ def _check_speculative_numbers(config: SpeculativeConfig, scheduler: SchedulerCo
     most = scheduler.max_num_batched_tokens - 1 if scheduler is not None else 2**31
     check("num_speculative_tokens", lambda v: v == int(v) and 1 <= v <= most, f"an integer in [1, {most}]")
     check("prompt_lookup_min", lambda v: v == int(v) and v >= 1, "an integer >= 1")
+    if config.disable_by_batch_size is not None:
+        check("disable_by_batch_size", lambda v: v == int(v) and v >= 1, "an integer >= 1")
     check(
         "prompt_lookup_max",
         lambda v: v == int(v) and v >= config.prompt_lookup_min,

@@ -183,6 +183,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000  # suffix: finished outputs kept to match
     suffix_decoding_max_spec_factor: float = 1.0  # suffix: proposal length <= factor x match length
     suffix_decoding_min_token_prob: float = 0.1  # suffix: stop at a continuation rarer than this
+    # No proposals while more requests than this are running or waiting (vLLM's
+    # disable_by_batch_size): a busy batch is decoded without them, and scheduled asynchronously
+    disable_by_batch_size: int | None = None
     model: str | None = None  # draft_model: the draft's directory or .gguf file
     quantization: str | None = None  # draft_model: the draft's --quantization
     draft_model_config: ModelConfig | None = None  # draft_model: the draft resolved at start-up

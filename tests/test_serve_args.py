@@ -335,6 +335,13 @@ def test_values_jaxserve_honours_start_without_a_warning(served, caplog, argv, n
         (["--speculative-config", '{"model": "org/draft"}'], "'draft_model' needs num_speculative_tokens"),
         (["--speculative-config", '{"method": "draft_model", "num_speculative_tokens": 2}'], "needs a model"),
         (
+            [
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}',
+            ],
+            "disable_by_batch_size must be an integer >= 1",
+        ),
+        (
             ["--speculative-config", '{"model": "d", "num_speculative_tokens": 2}', "--num-processes", "2"],
             "runs on one process",
         ),

@@ -100,6 +100,7 @@ class Scheduler:
         # (a draft model's, which needs the device, comes from the engine: `proposer`)
         self.proposer: Proposer | None = proposer or proposer_for(speculative_config)
         self.num_speculative_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
+        self._propose_up_to = (speculative_config and speculative_config.disable_by_batch_size) or None
         self.spec_stats = SpecDecodingStats() if speculative_config is not None else None
         self._prompts_started_at: float | None = None
         self._prompt_step_s = 0.0
@@ -183,16 +184,13 @@ class Scheduler:
     def _schedule_running(self, plan: StepPlan) -> None:
         """Running requests, in order: decodes and the next chunks of ongoing prefills."""
         running, allocate = self.running, self.block_manager.allocate
-        drafts = (
-            self._propose_on_pages(plan.budget)
-            if self.proposer is not None and self.proposer.needs_pages
-            else None
-        )
+        proposing = self._proposing()
+        drafts = self._propose_on_pages(plan.budget) if proposing and self.proposer.needs_pages else None
         i = 0
         while i < len(running) and plan.budget > 0:
             req = running[i]
             n = self._chunk_size(req, req.num_computed_tokens, plan.budget)
-            if n == 1 and self.proposer is not None:
+            if n == 1 and proposing:
                 n += self._propose(req, plan.budget, drafts)
                 if n > 1 and not allocate(req.request_id, req.num_computed_tokens + n):
                     n, req.draft_token_ids = 1, ()  # proposals never cost another request its pages
@@ -203,6 +201,13 @@ class Scheduler:
                     i = running.index(req)  # a victim may have stood before req
                 plan.add(req, n)
             i += 1
+
+    def _proposing(self) -> bool:
+        """Rows get proposals this step: there is a proposer, and no more requests than
+        disable_by_batch_size (if set) are running or waiting."""
+        if self.proposer is None:
+            return False
+        return self._propose_up_to is None or len(self.running) + len(self.waiting) <= self._propose_up_to
 
     def _propose(self, req: Request, budget: int, drafts: dict[str, list[int]] | None) -> int:
         """Proposed tokens for a decoding request's row, kept on the request until its tokens
@@ -324,12 +329,15 @@ class Scheduler:
 
     def needs_tokens_before_next(self, sched: SchedulerOutput) -> bool:
         """Whether the next step can only be planned once this one's tokens are back: a row's
-        grammar or bad words depend on the token it samples."""
+        grammar or bad words depend on the token it samples, proposals on the tokens kept."""
         step = self._unreported.get(id(sched))
         if step is None or not step.sampled:
             return False
-        # speculative decoding: the next proposals follow the tokens this step keeps
-        return self.proposer is not None or any(r.grammar is not None or r.bad_words for r in step.sampled)
+        # speculative decoding: the next proposals follow the tokens this step keeps, and the
+        # next positions follow how many of this step's proposals it keeps
+        if self._proposing() or any(s.num_drafts for s in sched.seqs):
+            return True
+        return any(r.grammar is not None or r.bad_words for r in step.sampled)
 
     def forget(self, sched: SchedulerOutput) -> None:
         """A step that never ran (its requests are failed): no update() will come for it."""

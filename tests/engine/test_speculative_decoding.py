@@ -280,3 +280,21 @@ def test_preempted_requests_with_proposals_give_the_same_tokens(plain, tiny_llam
     assert got == want
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert llm.llm_engine.scheduler.spec_stats.num_accepted_tokens > 0
+
+
+def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size(plain, tiny_llama_gqa):
+    """disable_by_batch_size 2: four requests decode without proposals (and asynchronously) until
+    the two short ones end; the long ones then get proposals; tokens as without proposals."""
+    config = {**SPECS["ngram"], "disable_by_batch_size": 2}
+    llm = LLM(tiny_llama_gqa[0], **_kwargs(speculative_config=config))
+    assert llm.llm_engine.async_scheduling
+    stats = llm.llm_engine.scheduler.spec_stats
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 6, 40, 6)]
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
+    assert stats.num_accepted_tokens > 0
+    before = stats.snapshot()
+    same = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)  # four to the end
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, same, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, same, use_tqdm=False)] == want
+    assert stats.since(before).num_drafts == 0
