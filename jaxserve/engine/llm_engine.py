@@ -9,7 +9,7 @@ the device runs the forward pass.)
 With asynchronous scheduling (the default) a step schedules and dispatches step N+1 before it
 collects step N, so the device runs step N+1 while the host updates requests, detokenizes and
 builds outputs for step N: the host never leaves the device waiting. Requests whose next step
-depends on the token just sampled (structured outputs, bad words) make that step wait for it.
+depends on the tokens just sampled (structured outputs, bad words, proposals) make it wait.
 
 The InputProcessor checks and builds requests, the Scheduler owns them while they run, the
 runner owns everything on the device, and the OutputProcessor turns their tokens into outputs.
@@ -49,6 +49,7 @@ from jaxserve.runner import kv_scales
 from jaxserve.runner.sleep import TAGS as SLEEP_TAGS
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler_output import SchedulerOutput, StepRunner
+from jaxserve.spec_decode.draft_model import DraftModelProposer
 from jaxserve.structured_output import bitmask_filler
 
 logger = logging.getLogger(__name__)
@@ -74,17 +75,6 @@ def build_runner(config: EngineConfig, devices=None, step_cache=None):
 
     mesh = make_mesh(config.parallel_config.tensor_parallel_size, devices=devices)
     return ModelRunner(config, mesh, step_cache=step_cache)
-
-
-def draft_proposer(config: EngineConfig, runner):
-    """A draft model's proposer (speculative method draft_model), on the runner's mesh and page
-    tables; None for every other configuration."""
-    spec = config.speculative_config
-    if spec is None or spec.method != "draft_model":
-        return None
-    from jaxserve.spec_decode.draft_model import DraftModelProposer
-
-    return DraftModelProposer(config, runner)
 
 
 class LLMEngine:
@@ -115,16 +105,11 @@ class LLMEngine:
                 kv_scales.calibration_ids(self.tokenizer, self.runner.args.vocab_size)
             )
         lora = config.lora_config
-        self.draft = draft_proposer(config, self.runner)  # a draft model's proposer, if any
+        self.draft = DraftModelProposer.of(config, self.runner)  # a draft model's proposer, if any
         self.scheduler = Scheduler(
-            config.scheduler_config,
-            config.cache_config,
-            self.runner.num_blocks,
-            lora.max_loras if lora else 0,
-            clock,
-            config.speculative_config,
-            self.draft,
-        )
+            config.scheduler_config, config.cache_config, self.runner.num_blocks,
+            lora.max_loras if lora else 0, clock, config.speculative_config, self.draft,
+        )  # fmt: skip
         self.adapters = None  # LoRA adapters read from disk, by lora_int_id (lora/adapter.py)
         if lora is not None:
             self.adapters = AdapterCache(lora.max_cpu_loras or lora.max_loras, self.runner.adapter_spec)

@@ -102,6 +102,12 @@ class DraftModelProposer:
 
     needs_pages = True
 
+    @classmethod
+    def of(cls, config: EngineConfig, target_runner) -> DraftModelProposer | None:
+        """The proposer of an engine whose speculative method is draft_model, else None."""
+        spec = config.speculative_config
+        return cls(config, target_runner) if spec is not None and spec.method == "draft_model" else None
+
     def __init__(self, config: EngineConfig, target_runner):
         from jaxserve.runner.model_runner import ModelRunner
 
