@@ -205,7 +205,8 @@ def _checked_draft(
     draft_args = dataclasses.replace(
         args, model=spec.model, quantization=spec.quantization, dtype=target.dtype,
         max_model_len=target.max_model_len, tokenizer=None, revision=None, code_revision=None,
-        hf_overrides=None, rope_scaling=None, rope_theta=None, load_format="auto",
+        hf_overrides=None, rope_scaling=None, rope_theta=None,
+        load_format="dummy" if args.load_format == "dummy" else "auto",  # (as the TPU compile check's)
     )  # fmt: skip
     try:
         draft = model_config_from_args(draft_args)

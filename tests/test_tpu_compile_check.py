@@ -71,16 +71,20 @@ def compile_check(tmp_path, model: str, *flags: str) -> tuple[subprocess.Complet
 
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
+DRAFT = "draft"  # a draft model: the same shape (no weights either)
 
 
 @pytest.mark.parametrize(
     "topology,tp,speculative",
-    [("v5e-4", 1, None), ("v6e-4", 1, None), ("v6e-4", 4, None), ("v5e-4", 4, NGRAM)],
+    [("v5e-4", 1, None), ("v6e-4", 1, DRAFT), ("v6e-4", 4, None), ("v5e-4", 4, NGRAM)],
 )
 def test_step_compiles_for_tpu_with_the_pallas_kernel(tmp_path, shape_dir, topology, tp, speculative):
-    """With proposals (n-gram), the quick scope adds the smallest verify program: the proposed
-    tokens as extra query rows through the kernel, and the sampler's every-row acceptance."""
+    """With proposals (n-gram, or a draft model), the quick scope adds the smallest verify
+    program: the proposed tokens as extra query rows through the kernel, and the sampler's
+    every-row acceptance; and a draft model's own program."""
     flags = ["--topology", topology, "-tp", str(tp), *SMALL, "--programs", "quick"]
+    if speculative == DRAFT:
+        speculative = json.dumps({"model": shape_dir, "num_speculative_tokens": 3})
     if speculative:
         flags += ["--speculative-config", speculative]
     done, report = compile_check(tmp_path, shape_dir, *flags)
@@ -88,6 +92,12 @@ def test_step_compiles_for_tpu_with_the_pallas_kernel(tmp_path, shape_dir, topol
     assert report["attention_backend"] == "tpu" and report["dtype"] == "bfloat16"
     programs = report["programs"]
     expected = [((16, 16), "plain"), ((64, 16), "plain")] + [((16, 16), "verify")] * bool(speculative)
+    if speculative and "model" in speculative:  # the draft's program; its pool from the same budget
+        expected.append(((16, 16), "draft"))
+        assert report["draft_weight_bytes"] == report["weight_bytes"]
+        assert report["draft_kv_pool_bytes"] == report["kv_pool_bytes"]
+        budget = report["hbm_bytes"] * report["gpu_memory_utilization"]
+        assert 2 * (report["weight_bytes"] + report["kv_pool_bytes"]) <= budget
     assert [(tuple(p["bucket"]), p["variant"]) for p in programs] == expected
     for p in programs:
         assert p["error"] is None

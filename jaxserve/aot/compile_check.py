@@ -23,10 +23,12 @@ from jaxserve.args import EngineArgs
 from jaxserve.loader.model_loader import abstract_model, build_model_args
 from jaxserve.model_resolution import targeting
 from jaxserve.runner.bucketing import Buckets
+from jaxserve.runner.kv_cache import abstract_kv_pool
 from jaxserve.runner.step import StepVariant
 from jaxserve.runner.step_cache import StepCache
 from jaxserve.runner.step_programs import StepLayout, StepPrograms
 from jaxserve.sharding import make_mesh
+from jaxserve.spec_decode.draft_model import compile_draft, draft_engine_config, draft_program
 
 
 @dataclass
@@ -75,6 +77,8 @@ class Report:
     kv_tokens: int = 0
     max_model_len: int = 0
     max_loras: int = 0  # LoRA adapter slots (--enable-lora --max-loras); 0 without LoRA
+    draft_weight_bytes: int = 0  # a draft model's (speculative method draft_model), per device
+    draft_kv_pool_bytes: int = 0  # its pool, as many blocks as the target's, per device
     shape: dict = field(default_factory=dict)  # what the roofline needs (aot/roofline.py)
     weights: dict = field(default_factory=dict)  # per-device bytes and elements by role (weight_roles)
     buckets: list = field(default_factory=list)
@@ -249,7 +253,40 @@ def check(
                 report.programs.append(program)
                 if progress is not None:
                     progress(program)
+        for program in _draft_programs(config, layout, mesh, scope, report):
+            report.programs.append(program)
+            if progress is not None:
+                progress(program)
     return report
+
+
+def _draft_programs(config, layout: StepLayout, mesh, scope: str, report: Report) -> list[Program]:
+    """A draft model's program (speculative method draft_model) at the smallest bucket (`quick`)
+    or the smallest and largest, compiled and measured beside the target's weights and pool; the
+    draft's own bytes in the report."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return []
+    draft = draft_engine_config(config, layout.num_blocks, layout.kv_spec.page_size)
+    mc, pc = draft.model_config, draft.parallel_config
+    graphdef, state = abstract_model(mc, mesh, pc)
+    draft_layout = StepLayout.plan(draft, build_model_args(mc, pc)[1], mesh, False)
+    pool = abstract_kv_pool(draft_layout.kv_spec, draft_layout.num_blocks, mesh)
+    report.draft_weight_bytes, report.draft_kv_pool_bytes = per_device_bytes(state), per_device_bytes(pool)
+    program = draft_program(graphdef, spec.num_speculative_tokens, draft_layout.pad_slot)
+    every = draft_layout.buckets.all()
+    out = []
+    for bucket in every[:1] if scope == "quick" else sorted({every[0], every[-1]}):
+        start = time.perf_counter()
+        try:
+            compiled = compile_draft(program, state, pool, draft_layout, bucket, mesh)
+        except Exception as err:  # libtpu's refusal, kept to its first line
+            message = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
+            out.append(Program(bucket, "draft", "draft", time.perf_counter() - start, error=message))
+            continue
+        measured = Program(bucket, "draft", "draft", time.perf_counter() - start)
+        out.append(_measured(measured, compiled, report.weight_bytes + report.kv_pool_bytes))
+    return out
 
 
 def _larger_slice(report: Report, utilization: float) -> str:

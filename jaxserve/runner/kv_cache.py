@@ -40,24 +40,33 @@ class KVCacheSpec:
 
 
 def num_blocks_for(
-    spec: KVCacheSpec, cache: CacheConfig, max_useful_blocks: int, mesh: Mesh, memory_stats=None
+    spec: KVCacheSpec,
+    cache: CacheConfig,
+    max_useful_blocks: int,
+    mesh: Mesh,
+    memory_stats=None,
+    shared: tuple[int, int] = (0, 0),
 ) -> int:
     """How many blocks fit: exactly --num-gpu-blocks-override when given; else
     --kv-cache-memory-bytes per device, or what --gpu-memory-utilization leaves on the fullest
     device once the weights are there (each device holds 1/tp of every block: the pool is split
     by KV head), on CPU a fixed host budget (CPU_KV_CACHE_BYTES); capped at what max_num_seqs
     sequences of max_model_len could ever use. `memory_stats`: the devices' memory_stats() when
-    they cannot be asked (devices of a TPU topology this process only compiles for)."""
+    they cannot be asked (devices of a TPU topology this process only compiles for). `shared`: a
+    second pool with as many blocks (a draft model's) and weights still to load, as (its bytes per
+    block, its weights' bytes on the fullest device): both come out of the same budget."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]  # this host's
     stats = memory_stats or [d.memory_stats() if d.platform != "cpu" else None for d in devices]
-    per_block = spec.bytes_per_block / mesh.shape["model"]
+    shared_per_block, shared_weights = shared
+    per_block = (spec.bytes_per_block + shared_per_block) / mesh.shape["model"]
     if cache.kv_cache_memory_bytes is not None:
         free = cache.kv_cache_memory_bytes
         where = f"--kv-cache-memory-bytes={free}"
     elif all(s and "bytes_limit" in s for s in stats):
-        free = min(s["bytes_limit"] * cache.gpu_memory_utilization - s.get("bytes_in_use", 0) for s in stats)
+        limits = [s["bytes_limit"] * cache.gpu_memory_utilization - s.get("bytes_in_use", 0) for s in stats]
+        free = min(limits) - shared_weights
         where = f"{free / 2**30:.2f} GiB per device after weights"
     else:
         free = CPU_KV_CACHE_BYTES

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxserve.config import EngineConfig
 from jaxserve.layers.attention import pool_head_dim
 from jaxserve.layers.sampler import ProcessorState
+from jaxserve.loader.model_loader import abstract_model, build_model_args
 from jaxserve.runner import batch as batch_lib
 from jaxserve.runner import kv_scales
 from jaxserve.runner.bucketing import Buckets
@@ -75,10 +76,11 @@ class StepLayout:
             scales = kv_scales.initial_scales(config, args.num_layers, spec.dtype.name, platform)
         pages_per_seq = -(-sc.max_model_len // spec.page_size)
         max_useful = sc.max_num_seqs * pages_per_seq + 1
+        shared = draft_footprint(config, mesh, spec.page_size)
         return cls(
             attention_backend=backend,
             kv_spec=spec,
-            num_blocks=num_blocks_for(spec, cc, max_useful, mesh, memory_stats),
+            num_blocks=num_blocks_for(spec, cc, max_useful, mesh, memory_stats, shared),
             pages_per_seq=pages_per_seq,
             buckets=Buckets.from_config(sc, config.compilation_config),
             num_slots=sc.max_num_seqs,
@@ -111,6 +113,23 @@ class StepLayout:
             self.with_lora,
             self.num_speculative_tokens + 1 if verify else 1,
         )
+
+
+def draft_footprint(config: EngineConfig, mesh, page_size: int) -> tuple[int, int]:
+    """What a draft model (speculative method draft_model) will take beside the target, to plan
+    the target's pool with: (its pool's bytes per block, pages of `page_size` in every layer; its
+    weights' bytes on the fullest device). (0, 0) without one."""
+    spec = config.speculative_config
+    if spec is None or spec.draft_model_config is None:
+        return 0, 0
+    mc = spec.draft_model_config
+    _, args = build_model_args(mc, config.parallel_config)
+    head_dim = pool_head_dim(config.compilation_config.attention_backend, args.head_dim)
+    kv = KVCacheSpec(args.num_layers, args.num_kv_heads, head_dim, page_size, jnp.dtype(mc.dtype))
+    _, state = abstract_model(mc, mesh, config.parallel_config)
+    leaves = jax.tree.leaves(state)
+    weights = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in leaves)
+    return kv.bytes_per_block, weights
 
 
 def abstract(tree, sharding=None):

@@ -96,6 +96,22 @@ def draft_step(
     return kv_pool, out
 
 
+def draft_program(graphdef: nnx.GraphDef, k: int, pad_slot: int):
+    """draft_step jitted for a draft's graph, k proposals a row, its pool's pad slot."""
+    return jax.jit(
+        functools.partial(draft_step, graphdef=graphdef, k=k, pad_slot=pad_slot), donate_argnums=(1,)
+    )
+
+
+def compile_draft(program, state, kv_pool, layout, bucket: tuple[int, int], mesh) -> jax.stages.Compiled:
+    """The draft program of one bucket, from the shapes and shardings of its arrays alone (real
+    ones, or abstract ones for devices this process only compiles for)."""
+    empty = batch_lib.PackedBatch.pack(layout.prepare(SchedulerOutput(seqs=()), bucket))
+    args = (abstract(state), abstract(kv_pool), abstract(empty, NamedSharding(mesh, PartitionSpec())))
+    with jax.set_mesh(mesh):  # layers that split work by hand read the mesh
+        return program.lower(*args).compile()
+
+
 class DraftModelProposer:
     """The scheduler's proposer for method "draft_model": proposes for many requests at once
     (propose_many), on pages the scheduler gave the requests first (needs_pages)."""
@@ -125,12 +141,7 @@ class DraftModelProposer:
         # each request's tokens in the draft's cache, and the pages they are in (pages that
         # changed since, as after a preemption, hold none of them)
         self.cached: dict[str, tuple[int, tuple[int, ...]]] = {}
-        self._program = jax.jit(
-            functools.partial(
-                draft_step, graphdef=self.runner.graphdef, k=self.k, pad_slot=self.layout.pad_slot
-            ),
-            donate_argnums=(1,),
-        )
+        self._program = draft_program(self.runner.graphdef, self.k, self.layout.pad_slot)
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}
         self.replicated = NamedSharding(self.runner.mesh, PartitionSpec())
         if not config.compilation_config.enforce_eager:  # no request compiles (the target's rule)
@@ -180,14 +191,11 @@ class DraftModelProposer:
     def _compile(self, bucket: tuple[int, int]) -> jax.stages.Compiled:
         compiled = self._compiled.get(bucket)
         if compiled is None:
-            empty = batch_lib.PackedBatch.pack(self.layout.prepare(SchedulerOutput(seqs=()), bucket))
-            args = (
-                abstract(self.runner.state),
-                abstract(self.runner.kv_pool),
-                abstract(empty, self.replicated),
+            runner = self.runner
+            compiled = compile_draft(
+                self._program, runner.state, runner.kv_pool, self.layout, bucket, runner.mesh
             )
-            with jax.set_mesh(self.runner.mesh):  # layers that split work by hand read the mesh
-                compiled = self._compiled[bucket] = self._program.lower(*args).compile()
+            self._compiled[bucket] = compiled
         return compiled
 
     def _run(self, sched: SchedulerOutput):

@@ -298,3 +298,18 @@ def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size(plain
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, same, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, same, use_tqdm=False)] == want
     assert stats.since(before).num_drafts == 0
+
+
+def test_a_draft_models_pool_comes_out_of_the_same_kv_budget(tiny_llama_gqa):
+    """With --kv-cache-memory-bytes (or the device's free memory), the target's pool and the
+    draft's, as many blocks each, share the budget: half the blocks with a draft the size of the
+    target."""
+    budget = 64 * 1024
+    kw = _kwargs(num_gpu_blocks_override=None, kv_cache_memory_bytes=budget)
+    alone = LLM(tiny_llama_gqa[0], **kw).llm_engine.runner
+    draft = {"method": "draft_model", "model": tiny_llama_gqa[0], "num_speculative_tokens": 2}
+    both = LLM(tiny_llama_gqa[0], **{**kw, "speculative_config": draft}).llm_engine
+    per_block = alone.kv_spec.bytes_per_block
+    assert alone.num_blocks == budget // per_block
+    assert both.runner.num_blocks == budget // (2 * per_block) == both.draft.runner.num_blocks
+    assert both.runner.kv_pool.nbytes + both.draft.runner.kv_pool.nbytes <= budget
