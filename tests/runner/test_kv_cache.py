@@ -45,6 +45,21 @@ def test_blocks_fill_the_share_left_on_the_fullest_device():
     assert num_blocks_for(SPEC, CacheConfig(num_gpu_blocks_override=7), 100, _mesh([15 * GIB])) == 7
 
 
+def test_a_draft_models_pool_and_weights_share_the_budget():
+    """A second pool of as many blocks (a draft model's, here a quarter the size per block) and
+    weights still to load (1 GiB per device) come out of what the devices have left."""
+    cache = CacheConfig(gpu_memory_utilization=0.5)
+    draft_block = SPEC.bytes_per_block // 4
+    blocks = num_blocks_for(SPEC, cache, 10**9, _mesh([2 * GIB]), shared=(draft_block, GIB))
+    assert blocks == (8 * GIB - 2 * GIB - GIB) // (SPEC.bytes_per_block + draft_block)
+    two = num_blocks_for(SPEC, cache, 10**9, _mesh([1 * GIB, 3 * GIB]), shared=(draft_block, GIB))
+    assert two == int((8 * GIB - 3 * GIB - GIB) // ((SPEC.bytes_per_block + draft_block) / 2))
+    budget = CacheConfig(kv_cache_memory_bytes=GIB)  # the pools' budget, whatever the weights
+    assert num_blocks_for(SPEC, budget, 10**9, _mesh([2 * GIB]), shared=(draft_block, GIB)) == GIB // (
+        SPEC.bytes_per_block + draft_block
+    )
+
+
 def test_no_room_left_is_a_clear_error():
     with pytest.raises(ValueError, match="No memory left for the KV cache.*per device after weights"):
         num_blocks_for(SPEC, CacheConfig(gpu_memory_utilization=0.5), 100, _mesh([8 * GIB]))
