@@ -286,8 +286,7 @@ def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size(plain
     """disable_by_batch_size 2: four requests decode without proposals (and asynchronously) until
     the two short ones end; the long ones then get proposals; tokens as without proposals."""
     config = {**SPECS["ngram"], "disable_by_batch_size": 2}
-    llm = LLM(tiny_llama_gqa[0], **_kwargs(speculative_config=config))
-    assert llm.llm_engine.async_scheduling
+    llm = LLM(tiny_llama_gqa[0], **_kwargs(speculative_config=config, async_scheduling=True))
     stats = llm.llm_engine.scheduler.spec_stats
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 6, 40, 6)]
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
