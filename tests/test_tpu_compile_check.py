@@ -98,6 +98,7 @@ def test_step_compiles_for_tpu_with_the_pallas_kernel(tmp_path, shape_dir, topol
         assert report["draft_kv_pool_bytes"] == report["kv_pool_bytes"]
         budget = report["hbm_bytes"] * report["gpu_memory_utilization"]
         assert 2 * (report["weight_bytes"] + report["kv_pool_bytes"]) <= budget
+        assert " + draft model " in done.stdout and " + its pool " in done.stdout
     assert [(tuple(p["bucket"]), p["variant"]) for p in programs] == expected
     for p in programs:
         assert p["error"] is None

@@ -79,7 +79,13 @@ def _print_summary(report: Report, projected: dict | None, workload: Workload, e
     )
     print(
         f"  memory per chip: weights {report.weight_bytes / GIB:.2f} GiB + KV pool {report.kv_pool_bytes / GIB:.2f} GiB "
-        f"({report.num_blocks} blocks, {report.kv_tokens:,} tokens) at --gpu-memory-utilization "
+        f"({report.num_blocks} blocks, {report.kv_tokens:,} tokens)"
+        + (
+            f" + draft model {report.draft_weight_bytes / GIB:.2f} GiB + its pool {report.draft_kv_pool_bytes / GIB:.2f} GiB"
+            if report.draft_weight_bytes
+            else ""
+        )
+        + " at --gpu-memory-utilization "
         f"{report.gpu_memory_utilization}; XLA's peak {report.peak_bytes / GIB:.2f} GiB of {report.hbm_bytes / GIB:.2f} GiB"
     )
     if projected:
