@@ -1,6 +1,6 @@
-"""The server over an engine with speculative decoding: completions and chat, whole and streamed,
-give the tokens the engine gives without proposals, and a streamed chunk carries every token a
-step kept (several at once where proposals were kept)."""
+"""The server over an engine with speculative decoding (n-gram or draft-model proposals):
+completions and chat, whole and streamed, give the tokens the engine gives without proposals,
+and a streamed chunk carries every token a step kept (several at once where proposals were kept)."""
 
 from __future__ import annotations
 
@@ -22,10 +22,12 @@ from jaxserve.entrypoints.openai.server_args import ServerArgs
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
 
 
-@pytest.fixture(scope="module")
-def spec_engine(tiny_llama_gqa) -> LLMEngine:
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def spec_engine(request, tiny_llama_gqa) -> LLMEngine:
+    """n-gram proposals, or a draft model's (the model itself)."""
+    spec = NGRAM if request.param == "ngram" else {"model": tiny_llama_gqa[0], "num_speculative_tokens": 3}
     args = EngineArgs(
-        model=tiny_llama_gqa[0], served_model_name=[MODEL], speculative_config=NGRAM, **engine_kwargs()
+        model=tiny_llama_gqa[0], served_model_name=[MODEL], speculative_config=spec, **engine_kwargs()
     )
     return LLMEngine.from_engine_args(args)
 
