@@ -127,16 +127,10 @@ class DraftModelProposer:
     def __init__(self, config: EngineConfig, target_runner):
         from jaxserve.runner.model_runner import ModelRunner
 
-        spec = config.speculative_config
-        self.k = spec.num_speculative_tokens
+        self.k = config.speculative_config.num_speculative_tokens
         draft_config = draft_engine_config(config, target_runner.num_blocks, target_runner.page_size)
+        # (its vocabulary was checked against the target's at start-up: args_to_config)
         self.runner = ModelRunner(draft_config, target_runner.mesh, step_cache=target_runner.step_cache)
-        vocab, target_vocab = self.runner.args.vocab_size, target_runner.args.vocab_size
-        if vocab != target_vocab:
-            raise ValueError(
-                f"--speculative-config model {spec.model!r} has a vocabulary of {vocab} tokens; the "
-                f"target's has {target_vocab}: a draft must share the target's tokenizer."
-            )
         self.layout = self.runner.layout
         # each request's tokens in the draft's cache, and the pages they are in (pages that
         # changed since, as after a preemption, hold none of them)
@@ -205,9 +199,6 @@ class DraftModelProposer:
         )
         self.runner.kv_pool, out = self._compile(bucket)(self.runner.state, self.runner.kv_pool, inputs)
         return jax.device_get(out)
-
-    def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, k: int) -> list[int]:
-        raise NotImplementedError("a draft model proposes for many requests at once: propose_many")
 
     def finish(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         self.cached.pop(request_id, None)

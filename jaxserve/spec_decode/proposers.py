@@ -23,9 +23,9 @@ from jaxserve.config import SpeculativeConfig
 
 
 class Proposer(Protocol):
-    """What the scheduler calls, once per step for each request that decodes (or, for a proposer
-    that `needs_pages`, propose_many once per step for all of them, after giving each the pages
-    of its proposals)."""
+    """What the scheduler calls: propose once per step for each request that decodes, or, for a
+    proposer that `needs_pages` (a draft model's), propose_many once per step for all of them,
+    after giving each the pages of its proposals; finish for both."""
 
     needs_pages: bool
 
