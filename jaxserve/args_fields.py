@@ -194,9 +194,36 @@ class EngineArgsFields:
     task: str = arg(
         G.MODEL,
         "auto",
-        "What the model is served for.",
+        "What the model is served for (vLLM's older spelling of --runner / --convert): embed (or "
+        "embedding) serves it as an embedding model.",
         choices=("auto", "generate", "embedding", "embed", "classify", "score", "reward", "transcription"),
-        supported=("auto", "generate"),
+        supported=("auto", "generate", "embedding", "embed"),
+    )
+    runner: str = arg(
+        G.MODEL,
+        "auto",
+        "generate: a language model (tokens out); pooling: an embedding model (a vector per prompt). "
+        "auto: pooling for a base model's architecture (e.g. Qwen3Model) or a sentence-transformers "
+        "folder, else generate.",
+        choices=("auto", "generate", "pooling", "draft"),
+        supported=("auto", "generate", "pooling"),
+    )
+    convert: str = arg(
+        G.MODEL,
+        "auto",
+        "What a pooling runner makes of a generative architecture: embed (its final hidden states, "
+        "pooled). auto: embed for --runner pooling.",
+        choices=("auto", "none", "embed", "classify", "reward", "mm_encoder_only"),
+        supported=("auto", "none", "embed"),
+    )
+    pooler_config: dict | str | None = arg(
+        G.MODEL,
+        None,
+        "JSON object: how a pooling model reduces a prompt (pooling_type LAST, MEAN or CLS; "
+        "normalize), over what the model's sentence-transformers files say.",
+    )
+    override_pooler_config: dict | str | None = arg(
+        G.MODEL, None, "vLLM's older name of --pooler-config (the two are merged, this one last)."
     )
     code_revision: str | None = arg(
         G.MODEL,

@@ -174,9 +174,15 @@ def build_engine_config(args: EngineArgsFields) -> EngineConfig:
     model_config = model_config_from_args(args)
     _check_quantization_source(args.quantization, model_config)
     scheduler_config = _scheduler_config(args, model_config.max_model_len)  # (checked before the cache)
+    cache_config = _cache_config(args, backend, model_config.dtype)
+    if model_config.runner_type == "pooling":
+        if args.speculative_config:
+            raise ValueError("--speculative-config needs a generative model; this one is served for pooling.")
+        # a prompt's mean or first token needs every token's hidden state: none comes from the cache
+        cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)
     return EngineConfig(
         model_config=model_config,
-        cache_config=_cache_config(args, backend, model_config.dtype),
+        cache_config=cache_config,
         scheduler_config=scheduler_config,
         parallel_config=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,

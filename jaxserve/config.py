@@ -53,6 +53,9 @@ class ModelConfig:
     # The method of a checkpoint quantized by another tool ("fp8", "compressed-tensors"), served
     # from its own values and scales (loader/prequantized.py); None for the others
     checkpoint_quantization: str | None = None
+    # "generate" (an LM: tokens out) or "pooling" (an embedding model: one vector per prompt)
+    runner_type: str = "generate"
+    pooler_config: PoolerConfig | None = None  # how a pooling model reduces a prompt; pooling only
 
     @property
     def architecture(self) -> str:
@@ -72,6 +75,20 @@ class ModelConfig:
                 f"request has {prompt_len} input tokens. Please reduce the length of the input messages."
             )
         return self.max_model_len - prompt_len
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling model turns a prompt's final hidden states into one vector (vLLM's
+    --pooler-config): which reduction (jaxserve/pooling_params.py POOLING_TYPES), whether to scale
+    it to length 1, the default `dimensions`, and the Matryoshka sizes it was trained for (None: not a Matryoshka model).
+    Resolved from the model's sentence-transformers files, then the flag's keys, at start-up."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+    dimensions: int | None = None  # a request's `dimensions` when it gives none
+    matryoshka_dimensions: tuple[int, ...] | None = None
+    is_matryoshka: bool = False
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from jaxserve.args import EngineArgs
 from jaxserve.engine.input_processor import PromptType
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.lora.request import LoRARequest
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import PoolingRequestOutput, RequestOutput
+from jaxserve.pooling_params import POOLING_TASKS, PoolingParams
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -50,11 +51,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """lora_request: the adapter every prompt is served with, or one per prompt (None: the
         base model); needs enable_lora."""
-        if isinstance(prompts, (str, Mapping)) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -66,6 +63,58 @@ class LLM:
             raise ValueError(
                 f"Got {len(sampling_params)} sampling_params for {len(prompts)} prompts; pass one or one each."
             )
+        return self._run(prompts, sampling_params, use_tqdm, priority, lora_request)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's LLM.embed: an embedding per prompt (`outputs.embedding`, a list of floats), from
+        a pooling model (--runner pooling)."""
+        outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                           use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="embed")  # fmt: skip
+        return [out.as_embedding() for out in outs]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        pooling_task: str = "encode",
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's LLM.encode: each prompt's pooled vector (`outputs.data`, a float32 array)."""
+        prompts = _prompt_list(prompts)
+        if pooling_task not in POOLING_TASKS:
+            raise ValueError(
+                f"pooling_task {pooling_task!r} is not supported; supported: {list(POOLING_TASKS)}."
+            )
+        if self.llm_engine.config.model_config.runner_type != "pooling":
+            raise ValueError(
+                f"LLM.{'embed' if pooling_task == 'embed' else 'encode'} needs a pooling model "
+                "(--runner pooling); this one is served for generation."
+            )
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        if isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params] * len(prompts)
+        if truncate_prompt_tokens is not None:
+            pooling_params = [p.clone(truncate_prompt_tokens=truncate_prompt_tokens) for p in pooling_params]
+        pooling_params = [p.clone(task=pooling_task) for p in pooling_params]
+        return self._run(prompts, pooling_params, use_tqdm, None, lora_request)
+
+    def _run(self, prompts: list, params: list, use_tqdm: bool, priority, lora_request) -> list:
+        """Add every prompt with its params (all or none: a refused one aborts those added), then
+        step the engine until all have finished; their final outputs in prompt order."""
+        if len(params) != len(prompts):
+            raise ValueError(f"Got {len(params)} params for {len(prompts)} prompts; pass one or one each.")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"Got {len(priority)} priorities for {len(prompts)} prompts.")
         loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
@@ -76,10 +125,10 @@ class LLM:
             raise RuntimeError("The engine is asleep (LLM.sleep); call LLM.wake_up() before generating.")
         ids = []
         try:
-            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = engine.new_request_id()
                 engine.add_request(
-                    rid, prompt, params, priority=priority[i] if priority else 0, lora_request=loras[i]
+                    rid, prompt, p, priority=priority[i] if priority else 0, lora_request=loras[i]
                 )
                 ids.append(rid)
         except Exception:
@@ -111,10 +160,7 @@ class LLM:
     ) -> list[beam.BeamSearchOutput]:
         """Beam search over each prompt (see jaxserve/beam_search.py), with the LoRA adapter if
         given; all prompts' beams run together, one token per engine round."""
-        if isinstance(prompts, (str, Mapping)) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         engine = self.llm_engine
         searches = [beam.start_search(engine, engine.tokenize_prompt(p)[1], params) for p in prompts]
         step = beam.step_params(params)
@@ -177,3 +223,12 @@ class LLM:
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (text, token ids or a dict) or several, as a list."""
+    if isinstance(prompts, (str, Mapping)) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return list(prompts)

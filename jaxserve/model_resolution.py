@@ -169,6 +169,9 @@ def model_config_from_args(args) -> ModelConfig:
     from jaxserve.models.registry import resolve_architecture
 
     resolve_architecture(hf_config)  # refuse unknown architectures before anything loads
+    from jaxserve.pooler_resolution import runner_and_pooler
+
+    runner_type, pooler_config = runner_and_pooler(args, path, hf_config)
     checkpoint_quantization = None if is_gguf else _checkpoint_quantization(hf_config, args.quantization)
     quantization = (
         None if checkpoint_quantization else _weight_quantization(hf_config, args.quantization, is_gguf)
@@ -218,6 +221,8 @@ def model_config_from_args(args) -> ModelConfig:
         enable_sleep_mode=args.enable_sleep_mode,
         quantization=quantization,
         checkpoint_quantization=checkpoint_quantization,
+        runner_type=runner_type,
+        pooler_config=pooler_config,
     )
 
 

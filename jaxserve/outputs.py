@@ -1,8 +1,12 @@
-"""vLLM-shaped results: RequestOutput holding one CompletionOutput per sample."""
+"""vLLM-shaped results: RequestOutput holding one CompletionOutput per sample; PoolingRequestOutput
+holding a pooling request's vector."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass
@@ -68,3 +72,44 @@ class RequestOutput:
         self.error = later.error
         if self.prompt_logprobs is None:
             self.prompt_logprobs = later.prompt_logprobs
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: its vector (an embedding) as float32 numbers."""
+
+    data: np.ndarray
+
+
+@dataclass
+class EmbeddingOutput:
+    """What LLM.embed returns per prompt (vLLM's): the embedding as a list of floats."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's PoolingRequestOutput: one pooling request's result (`outputs`: a PoolingOutput, or an
+    EmbeddingOutput from LLM.embed)."""
+
+    request_id: str
+    outputs: PoolingOutput | EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None  # set when the engine failed while running the request
+
+    def as_embedding(self) -> PoolingRequestOutput:
+        """The same result with its vector as an EmbeddingOutput (vLLM's EmbeddingRequestOutput)."""
+        data = self.outputs.data if isinstance(self.outputs, PoolingOutput) else self.outputs.embedding
+        return dataclasses.replace(self, outputs=EmbeddingOutput(np.asarray(data).tolist()))
+
+
+# vLLM's name for LLM.embed's outputs
+EmbeddingRequestOutput = PoolingRequestOutput

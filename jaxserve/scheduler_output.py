@@ -176,6 +176,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, TopLogprobs[np.ndarray]] = field(default_factory=dict)
     # [len(req_ids)] int32: tokens of each request, >= 1; None: one each (no row had proposals)
     num_sampled: np.ndarray | None = None
+    # A pooling model's step (nothing sampled): [len(seqs), 3, hidden] float32, per scheduled row
+    # the sum of its fed tokens' final hidden states, the first one's and the last one's
+    pooled: np.ndarray | None = None
 
 
 @runtime_checkable

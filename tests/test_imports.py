@@ -20,7 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the offline API, the package itself and the deviceless TPU compile check
     ("jaxserve", "jaxserve.llm", "jaxserve.metrics", "jaxserve.aot"),
     ("jaxserve.args", "jaxserve.args_to_config", "jaxserve.args_fields", "jaxserve.model_resolution",
-     "jaxserve.flags"),
+     "jaxserve.pooler_resolution", "jaxserve.flags"),
     ("jaxserve.engine", "jaxserve.structured_output"),
     ("jaxserve.runner", "jaxserve.distributed", "jaxserve.spec_decode.draft_model"),  # a draft runs a runner
     ("jaxserve.loader", "jaxserve.lora"),  # LoRA adapters are read like checkpoints
@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("jaxserve.layers", "jaxserve.sharding"),
     ("pallas_kernels",),
     ("jaxserve.config", "jaxserve.sampling_params", "jaxserve.scheduler_output", "jaxserve.outputs",
-     "jaxserve.beam_search", "jaxserve.reasoning", "jaxserve.spec_decode"),
+     "jaxserve.beam_search", "jaxserve.reasoning", "jaxserve.spec_decode", "jaxserve.pooling_params"),
 )  # fmt: skip
 
 

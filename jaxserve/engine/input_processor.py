@@ -19,12 +19,15 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.parent_request import ParentRequest
 from jaxserve.engine.request import Request
+from jaxserve.pooling_params import PooledSums, PoolingParams
 from jaxserve.reasoning import get_reasoning_parser
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.scheduler_output import MAX_BANNED_TOKENS, LogitsSpec
 from jaxserve.structured_output import GrammarCompiler
 
 PromptType = str | Sequence[int] | Mapping
+# What a pooling request carries as sampling params: it samples nothing, and reports at its end.
+_NEUTRAL = SamplingParams(max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 class InputProcessor:
@@ -90,6 +93,15 @@ class InputProcessor:
         """Check and tokenize a request and build its child sequences; ValueError on bad input."""
         if priority != 0 and self.config.scheduler_config.policy != "priority":
             raise ValueError("priority is only honoured with scheduling_policy='priority'.")
+        pooling_model = self.config.model_config.runner_type == "pooling"
+        if isinstance(params, PoolingParams) != pooling_model:
+            raise ValueError(
+                "This model is served for pooling (embeddings): it generates no text."
+                if pooling_model
+                else "This model is served for generation; embeddings need a pooling model (--runner pooling)."
+            )
+        if pooling_model:
+            return self._pooling_request(request_id, prompt, params, priority, arrival_time)
         text, token_ids = self.tokenize_prompt(prompt)
         room = self._check_prompt_length(token_ids)
         self._check_logprobs(params)
@@ -129,6 +141,34 @@ class InputProcessor:
                 det = IncrementalDetokenizer(self.tokenizer, child)
             parent.detokenizers.append(det)
         return parent
+
+    def _pooling_request(
+        self, request_id: str, prompt: PromptType, params: PoolingParams, priority: int, arrival_time
+    ) -> ParentRequest:
+        """A pooling request: its prompt (the last truncate_prompt_tokens of it, if asked), up to
+        max_model_len tokens, run once; its dimensions and normalization resolved against the
+        model's pooler (vLLM's checks and words)."""
+        text, token_ids = self.tokenize_prompt(prompt)
+        mc = self.config.model_config
+        params = _resolved_pooling(params, mc)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
+        if not token_ids:
+            raise ValueError("The prompt is empty.")
+        if len(token_ids) > mc.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {mc.max_model_len} tokens. However, you requested "
+                f"{len(token_ids)} tokens in the input for embedding generation. Please reduce the length "
+                "of the input."
+            )
+        self.check_prompt_token_ids(token_ids)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        child = Request(
+            request_id, token_ids, _NEUTRAL, seed=0, prompt=text, priority=priority, arrival_time=arrival,
+            max_tokens=1,
+        )  # fmt: skip
+        child.pooling_params, child.pooled = params, PooledSums()
+        return ParentRequest(request_id, text, token_ids, [child], [None], [[]], arrival_time=arrival)
 
     def _check_prompt_length(self, token_ids: list[int]) -> int:
         """A prompt of known tokens, with room for at least one more under max_model_len: the
@@ -233,3 +273,37 @@ class InputProcessor:
             if len(spaced) == len(plain) and spaced[0] != plain[0]:
                 out.append(spaced)
         return out
+
+
+def _resolved_pooling(params: PoolingParams, mc) -> PoolingParams:
+    """The request's settings with the model's pooler defaults filled in; ValueError (vLLM's
+    words) for dimensions the model was not trained to cut to or a truncation past its length."""
+    pooler = mc.pooler_config
+    name = mc.served_model_name[0] if mc.served_model_name else mc.model
+    dims = params.dimensions if params.dimensions is not None else pooler.dimensions
+    if dims is not None:
+        if not pooler.is_matryoshka:
+            raise ValueError(
+                f'Model "{name}" does not support matryoshka representation, changing output dimensions '
+                "will lead to poor results."
+            )
+        if dims < 1:
+            raise ValueError("Dimensions must be greater than 0")
+        if pooler.matryoshka_dimensions and dims not in pooler.matryoshka_dimensions:
+            raise ValueError(
+                f'Model "{name}" only supports {list(pooler.matryoshka_dimensions)} matryoshka dimensions, '
+                "use other output dimensions will lead to poor results."
+            )
+    truncate = params.truncate_prompt_tokens
+    if truncate is not None:
+        if truncate == -1:
+            truncate = mc.max_model_len
+        elif truncate < 1:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or positive, got {truncate}.")
+        elif truncate > mc.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len "
+                f"({mc.max_model_len}). Please, select a smaller truncation size."
+            )
+    normalize = pooler.normalize if params.normalize is None else params.normalize
+    return params.clone(dimensions=dims, normalize=normalize, truncate_prompt_tokens=truncate)

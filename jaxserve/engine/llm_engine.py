@@ -120,7 +120,7 @@ class LLMEngine:
             config, self.tokenizer, self.runner.args.vocab_size, self.generation_config, clock
         )
         self.grammars = self.input_processor.grammars
-        self.output_processor = OutputProcessor(self.tokenizer, clock)
+        self.output_processor = OutputProcessor(self.tokenizer, clock, mc.pooler_config)
         self.iteration_stats = IterationStats()  # of the last step
         self._between_steps = IterationStats()  # aborts since the last step, counted with the next
         self.async_scheduling = config.scheduler_config.async_scheduling

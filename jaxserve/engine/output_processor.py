@@ -13,10 +13,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
+from jaxserve.config import PoolerConfig
 from jaxserve.engine.parent_request import ParentRequest
-from jaxserve.engine.request import Request
+from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.stats import FinishedRequestStats, IterationStats
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput
+from jaxserve.pooling_params import finish_embedding
 from jaxserve.scheduler_output import TopLogprobs
 
 
@@ -28,8 +32,15 @@ class ChildRef(NamedTuple):
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        clock: Callable[[], float] = time.monotonic,
+        pooler_config: PoolerConfig | None = None,
+    ) -> None:
+        """pooler_config: a pooling model's, which finishes its requests' vectors."""
         self.tokenizer = tokenizer
+        self.pooler_config = pooler_config
         self.clock = clock  # the engine's: requests' arrival times are on it
         self.parents: dict[str, ParentRequest] = {}
         self._children: dict[str, ChildRef] = {}  # child id -> where it belongs
@@ -127,10 +138,13 @@ class OutputProcessor:
 
     # ---- building outputs ------------------------------------------------------------------
 
-    def make_output(self, parent: ParentRequest) -> RequestOutput:
+    def make_output(self, parent: ParentRequest) -> RequestOutput | PoolingRequestOutput:
         """The request's outputs so far, or with output_kind DELTA what is new since the last
         (the prompt's logprobs in the first output only). With best_of > n, the n samples of
-        highest cumulative logprob once all have finished (nothing is reported before)."""
+        highest cumulative logprob once all have finished (nothing is reported before). A
+        pooling request's: its vector, once it has finished."""
+        if parent.children[0].pooling_params is not None:
+            return self._pooled(parent)
         chosen = list(range(len(parent.children)))
         if parent.best_of > parent.n:
             if parent.finished:
@@ -159,6 +173,23 @@ class OutputProcessor:
             finished=parent.finished,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=first.num_cached_tokens,
+        )
+
+    def _pooled(self, parent: ParentRequest) -> PoolingRequestOutput:
+        """A pooling request's vector: the pooler's reduction of its prompt, cut to its dimensions
+        and normalized as resolved (empty if it failed)."""
+        req = parent.children[0]
+        data = np.zeros(0, np.float32)
+        if req.status == RequestStatus.FINISHED_STOPPED:
+            vector = req.pooled.vector(self.pooler_config.pooling_type, req.num_prompt_tokens)
+            params = req.pooling_params
+            data = finish_embedding(vector, params.dimensions, params.normalize)
+        return PoolingRequestOutput(
+            request_id=parent.request_id,
+            outputs=PoolingOutput(data),
+            prompt_token_ids=parent.prompt_token_ids,
+            finished=parent.finished,
+            prompt=parent.prompt,
         )
 
     def _completion(self, parent: ParentRequest, i: int, index: int, delta: bool) -> CompletionOutput:

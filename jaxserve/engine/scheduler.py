@@ -412,7 +412,7 @@ class Scheduler:
                 req.processor_slot, req.logits_spec, tuple(req.prompt_token_ids), tuple(req.output_token_ids)
             )
         sampling = None
-        if end == known + req.num_output_placeholders:
+        if end == known + req.num_output_placeholders and req.pooling_params is None:
             sampling = sampling_row(req)
             req.num_output_placeholders += 1
             self._sampled_rows[req.request_id] = row
@@ -455,6 +455,8 @@ class Scheduler:
         now = self.clock()
         # the requests as they were scheduled: one aborted since then is not a new one of the same id
         step = self._unreported.pop(id(scheduler_output), None)
+        if runner_output.pooled is not None:
+            return self._add_pooled(scheduler_output, runner_output.pooled, now)
         if step is not None and len(step.sampled) == len(runner_output.req_ids):
             sampled = step.sampled  # its sampled requests, in the order of the output's rows
         else:  # (a runner output with fewer rows than the step sampled)
@@ -525,6 +527,22 @@ class Scheduler:
             if not req.is_finished:
                 req.num_computed_tokens -= num_drafts + 1 - count
             updated.append(req)
+        return updated
+
+    def _add_pooled(self, sched: SchedulerOutput, pooled, now: float) -> list[Request]:
+        """A pooling model's step: each row's sums added to its request's; a request whose last
+        prompt chunk this was ends (its vector is the OutputProcessor's to make)."""
+        updated = []
+        for seq, row in zip(sched.seqs, pooled):
+            req = self.requests.get(seq.request_id)
+            if req is None or req.is_finished:
+                continue
+            ends = seq.start_pos + len(seq.token_ids) == req.num_prompt_tokens
+            req.pooled.add(row, seq.start_pos == 0, ends)
+            if ends:
+                req.num_new_tokens, req.first_token_time = 0, now
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+                updated.append(req)
         return updated
 
     # ---- finishing -----------------------------------------------------------------------

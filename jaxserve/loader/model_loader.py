@@ -45,6 +45,8 @@ def build_model_args(
                 f"({lora.max_lora_rank}) must be a multiple of tensor_parallel_size ({tp})."
             )
         args = dataclasses.replace(args, lora=lora)
+    if model_config.runner_type == "pooling":  # pooling reads the final hidden states: no LM head
+        args = dataclasses.replace(args, tie_word_embeddings=True)
     formats = checkpoint_kernel_formats(model_config, args)
     if formats:  # projections served in the checkpoint's own quantized values
         formats = {hf.split(".")[-1]: fmt for hf, fmt in formats.items()}
@@ -264,6 +266,8 @@ def _read_buffers(model_config: ModelConfig, entry, args, flat: dict) -> dict[st
     if entry.split_tensors is not None:
         tensors = (pair for name, t in tensors for pair in entry.split_tensors(name, t, args))
     for name, tensor in tensors:
+        if name not in weight_map and "model." + name in weight_map:  # a base model's (Qwen3Model)
+            name = "model." + name
         if name not in weight_map:
             if name.endswith("rotary_emb.inv_freq") or (
                 name == "lm_head.weight" and args.tie_word_embeddings

@@ -16,7 +16,7 @@ from jaxserve.layers.attention import AttentionMetadata
 
 class CausalLM(nnx.Module):
     """A decoder: `hidden_states` runs the layers (writing the batch's KV into the pool),
-    `compute_logits` the final norm and the head."""
+    `compute_logits` the final norm (`final_hidden`) and the head."""
 
     def __call__(
         self,
@@ -38,6 +38,11 @@ class CausalLM(nnx.Module):
         meta: AttentionMetadata,
         lora_slots: jax.Array | None = None,  # [num_tokens] int32, each token's LoRA slot (-1: none)
     ) -> tuple[jax.Array, jax.Array]:  # ([num_tokens, hidden], before the final norm; kv_pool)
+        raise NotImplementedError
+
+    def final_hidden(self, x: jax.Array) -> jax.Array:
+        """[rows, hidden]: hidden_states' rows after the final norm (and any projection out): what
+        the head reads, and what a pooling model pools (transformers' last_hidden_state)."""
         raise NotImplementedError
 
     def compute_logits(self, x: jax.Array) -> jax.Array:

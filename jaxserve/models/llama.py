@@ -298,10 +298,14 @@ class LlamaForCausalLM(CausalLM):
         (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), (sliced, xs))
         return x, kv_pool
 
+    def final_hidden(self, x: jax.Array) -> jax.Array:
+        a = self.args
+        return rms_norm(x, self.norm.value, a.rms_norm_eps, a.norm_offset)
+
     def compute_logits(self, x: jax.Array) -> jax.Array:
         """[rows, vocab] float32 logits of hidden states [rows, hidden] (hidden_states' rows)."""
         a = self.args
-        x = rms_norm(x, self.norm.value, a.rms_norm_eps, a.norm_offset)
+        x = self.final_hidden(x)
         if a.tie_word_embeddings:
             scale = getattr(self, "embed_tokens" + SCALE_SUFFIX, None)
             logits = tied_head(x, self.embed_tokens.value, None if scale is None else scale.value)

@@ -208,8 +208,7 @@ class OPTForCausalLM(CausalLM):
         (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), xs)
         return x, kv_pool
 
-    def compute_logits(self, x: jax.Array) -> jax.Array:
-        """[rows, vocab] float32 logits of hidden states [rows, hidden] (hidden_states' rows)."""
+    def final_hidden(self, x: jax.Array) -> jax.Array:
         a = self.args
         if a.final_norm:
             affine = a.norm_affine
@@ -217,6 +216,12 @@ class OPTForCausalLM(CausalLM):
             x = layer_norm(x, weight, bias, a.layer_norm_eps)
         if a.word_embed_proj_dim != a.hidden_size:
             x = x @ self.project_out.value
+        return x
+
+    def compute_logits(self, x: jax.Array) -> jax.Array:
+        """[rows, vocab] float32 logits of hidden states [rows, hidden] (hidden_states' rows)."""
+        a = self.args
+        x = self.final_hidden(x)
         head = self.embed_tokens.value.T if a.tie_word_embeddings else self.lm_head.value
         return jnp.dot(x, head, preferred_element_type=jnp.float32)
 

@@ -45,6 +45,14 @@ _REGISTRY: dict[str, ModelEntry] = {
     "Qwen3ForCausalLM": ModelEntry(LlamaForCausalLM, qwen3_args),
     "Qwen3MoeForCausalLM": ModelEntry(LlamaForCausalLM, qwen3_moe_args, split_stacked_experts),
 }
+# Base models (no LM head; their tensors lack the "model." prefix), served for pooling: the same
+# layers as the generative class of the family.
+_REGISTRY |= {
+    name.replace("ForCausalLM", "Model"): entry
+    for name, entry in list(_REGISTRY.items())
+    if name.endswith("ForCausalLM") and entry.model_cls is LlamaForCausalLM
+}
+_REGISTRY["Gemma3TextModel"] = _REGISTRY.pop("Gemma3Model")  # (transformers' name for the text-only one)
 
 
 def supported_architectures() -> list[str]:

@@ -60,16 +60,18 @@ class StepVariant:
     with_token_bitmask: bool = False
     # The program's kind: "generate" samples one token per sequence; "verify" (speculative
     # decoding) samples at each proposed token too and keeps the samples that agree with the
-    # proposals, plus one (BatchInputs' verify layout).
+    # proposals, plus one (BatchInputs' verify layout); "pool" (a pooling model's only kind)
+    # samples nothing and returns each row's pooled hidden states (`pool`; it takes no options).
     kind: str = "generate"
 
-    KINDS = ("generate", "verify")
+    KINDS = ("generate", "verify", "pool")
 
     @classmethod
     def all(cls) -> tuple[StepVariant, ...]:
-        """Every variant, the plain one first: each kind with each set of options."""
+        """Every variant, the plain one first: each sampling kind with each set of options, and
+        the pool kind."""
         options = list(itertools.product((False, True), repeat=len(dataclasses.fields(cls)) - 1))
-        return tuple(cls(*o, kind=kind) for kind in cls.KINDS for o in options)
+        return (*(cls(*o, kind=kind) for kind in cls.KINDS[:2] for o in options), cls(kind="pool"))
 
     @classmethod
     def for_batch(cls, sched: SchedulerOutput) -> StepVariant:
@@ -100,6 +102,9 @@ class StepResult:
     prompt: TopLogprobs[jax.Array] | None
     # [num_seqs] int32, verify only: how many of each sequence's rows (from its first) are kept
     num_sampled: jax.Array | None = None
+    # [num_seqs, 3, hidden] float32, the pool kind only: per row, the sum of its fed tokens' final
+    # hidden states, the one at its first fed token and the one at its last
+    pooled: jax.Array | None = None
 
 
 def forward(
@@ -219,6 +224,31 @@ def _verify(
     return processors, sampled, StepResult(tokens, logprobs, top, None, num_sampled)
 
 
+def pool(
+    state: nnx.State,
+    kv_pool: jax.Array,  # donated
+    inputs: BatchInputs | PackedBatch,
+    *,
+    graphdef: nnx.GraphDef,
+) -> tuple[jax.Array, jax.Array]:
+    """A pooling model's step: the layers over the batch (each prompt chunk's KV written for the
+    chunks after it), then per row the sum of its tokens' final hidden states and those at its
+    first and last token, float32 ([seq bucket, 3, hidden]): all the host needs to finish a LAST,
+    MEAN or CLS pooling over chunks of any size (jaxserve/pooling_params.py PooledSums)."""
+    inputs = unpacked(inputs)
+    model = nnx.merge(graphdef, state)
+    lora = {} if inputs.lora_slots is None else {"lora_slots": inputs.lora_slots}
+    hidden, kv_pool = model.hidden_states(inputs.input_ids, inputs.positions, kv_pool, inputs.meta, **lora)
+    hidden = model.final_hidden(hidden).astype(jnp.float32)
+    cu = inputs.meta.cu_q_lens
+    n, num_seqs = hidden.shape[0], cu.shape[0] - 1
+    row_of = jnp.searchsorted(cu, jnp.arange(n), side="right") - 1  # padding tokens: num_seqs (dropped)
+    total = jnp.zeros((num_seqs, hidden.shape[1]), jnp.float32).at[row_of].add(hidden, mode="drop")
+    first = hidden[jnp.minimum(cu[:-1], n - 1)]
+    last = hidden[jnp.maximum(cu[1:] - 1, 0)]
+    return kv_pool, jnp.stack([total, first, last], axis=1)
+
+
 def step(
     state: nnx.State,
     kv_pool: jax.Array,  # donated
@@ -232,6 +262,15 @@ def step(
 ) -> tuple[jax.Array, ProcessorState | None, jax.Array, StepResult]:
     """One step, fused: (kv_pool, processor state, sampled tokens padded like last_tokens,
     results). The keyword arguments are static (bind them before jit); the rest are traced."""
+    if variant.kind == "pool":
+        kv_pool, pooled = pool(state, kv_pool, inputs, graphdef=graphdef)
+        none = jnp.zeros(pooled.shape[0], jnp.int32)
+        return (
+            kv_pool,
+            processors,
+            last_tokens,
+            StepResult(none, none.astype(jnp.float32), None, None, None, pooled),
+        )
     kv_pool, logits, prompt = forward(
         state,
         kv_pool,

@@ -1,0 +1,113 @@
+"""Whether a model is served as a language model or as an embedding model, and how it pools:
+--runner / --convert / --task and --pooler-config, over what the model's own files say.
+
+Where it sits: model_resolution.py calls it once, while it builds the ModelConfig. A
+sentence-transformers folder (modules.json) names its pooling in 1_Pooling/config.json and its
+normalization as a Normalize module; a base model's architecture (Qwen3Model, LlamaModel) has no
+LM head and is served for pooling; the flag's keys come last. Every refusal is one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+from jaxserve.config import PoolerConfig
+from jaxserve.flags import as_dict
+from jaxserve.pooling_params import POOLING_TYPES
+
+# sentence-transformers module types that jaxserve applies (the transformer itself, the pooling,
+# the normalization); any other (Dense projections, ...) changes the vector and is refused.
+_ST_MODULES = {"Transformer": None, "Pooling": None, "Normalize": None}
+# 1_Pooling/config.json's switches -> POOLING_TYPES
+_ST_POOLING = {
+    "pooling_mode_lasttoken": "LAST",
+    "pooling_mode_mean_tokens": "MEAN",
+    "pooling_mode_cls_token": "CLS",
+}
+_FLAG_KEYS = ("pooling_type", "normalize", "dimensions")
+
+
+def runner_and_pooler(args, path: str, hf_config: Mapping) -> tuple[str, PoolerConfig | None]:
+    """("generate", None) or ("pooling", the resolved PoolerConfig); ValueError naming the flag."""
+    runner, convert = args.runner, args.convert
+    if args.task in ("embed", "embedding"):
+        if runner == "generate" or convert not in ("auto", "embed"):
+            raise ValueError(f"--task {args.task} asks for --runner pooling --convert embed.")
+        runner = "pooling"
+    st_modules = _st_modules(path)
+    if runner == "auto":
+        runner = "pooling" if st_modules is not None or is_base_architecture(hf_config) else "generate"
+    if runner == "generate":
+        if convert not in ("auto", "none"):
+            raise ValueError(f"--convert {convert} needs --runner pooling.")
+        return "generate", None
+    if convert == "none" and not is_base_architecture(hf_config):
+        raise ValueError("--runner pooling --convert none needs a pooling architecture (a base model's, "
+                         "e.g. Qwen3Model); --convert embed serves a generative one for embeddings.")  # fmt: skip
+    return "pooling", _pooler_config(args, path, hf_config, st_modules)
+
+
+def is_base_architecture(hf_config: Mapping) -> bool:
+    """The checkpoint is a base model (no LM head): its architecture ends in "Model" (Qwen3Model),
+    not in "ForCausalLM" / "LMHeadModel"."""
+    archs = hf_config.get("architectures") or []
+    return bool(archs) and archs[0].endswith("Model") and not archs[0].endswith("LMHeadModel")
+
+
+def _st_modules(path: str) -> list[dict] | None:
+    """A sentence-transformers folder's modules.json, or None."""
+    file = os.path.join(path, "modules.json") if os.path.isdir(path) else ""
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return json.load(f)
+
+
+def _pooler_config(args, path: str, hf_config: Mapping, st_modules: list[dict] | None) -> PoolerConfig:
+    fields: dict = {}
+    for module in st_modules or ():
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        if kind not in _ST_MODULES:
+            raise ValueError(
+                f"The model's sentence-transformers module {module.get('type')!r} ({module.get('path')}) "
+                f"is not supported by jaxserve; supported: {', '.join(_ST_MODULES)}."
+            )
+        if kind == "Pooling":
+            fields["pooling_type"] = _st_pooling_type(
+                os.path.join(path, module.get("path", ""), "config.json")
+            )
+    if st_modules is not None:
+        fields["normalize"] = any(str(m.get("type", "")).endswith("Normalize") for m in st_modules)
+    flag = {**as_dict(args.override_pooler_config, "override_pooler_config"),
+            **as_dict(args.pooler_config, "pooler_config")}  # fmt: skip
+    unknown = sorted(set(flag) - set(_FLAG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"--pooler-config keys {unknown} are not supported by jaxserve; supported: {list(_FLAG_KEYS)}."
+        )
+    fields.update(flag)
+    if str(fields.get("pooling_type", "LAST")).upper() not in POOLING_TYPES:
+        raise ValueError(
+            f"--pooler-config pooling_type {fields['pooling_type']!r} is not supported by jaxserve; "
+            f"supported: {', '.join(POOLING_TYPES)}."
+        )
+    fields["pooling_type"] = str(fields.get("pooling_type", "LAST")).upper()
+    dims = hf_config.get("matryoshka_dimensions")
+    fields["matryoshka_dimensions"] = tuple(dims) if dims else None
+    fields["is_matryoshka"] = bool(dims) or bool(hf_config.get("is_matryoshka"))
+    return PoolerConfig(**fields)
+
+
+def _st_pooling_type(file: str) -> str:
+    """The pooling a sentence-transformers Pooling module's config.json switches on."""
+    with open(file) as f:
+        config = json.load(f)
+    on = [name for name, value in config.items() if name.startswith("pooling_mode") and value is True]
+    if len(on) != 1 or on[0] not in _ST_POOLING:
+        raise ValueError(
+            f"The model's sentence-transformers pooling {on} ({file}) is not supported by jaxserve; "
+            f"supported: one of {', '.join(_ST_POOLING)}."
+        )
+    return _ST_POOLING[on[0]]

@@ -1,0 +1,159 @@
+"""Pooling models (embeddings) against transformers: a decoder served with --runner pooling, and
+a base-model checkpoint (no LM head) with sentence-transformers files, each pooled LAST, MEAN or
+CLS over the final hidden states transformers calls last_hidden_state; chunked prompts,
+preemption and both schedulings give the same vectors; bad requests are refused."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import TINY_LLAMA, engine_kwargs, make_family_checkpoint, make_tokenizer
+
+from jaxserve import LLM
+from jaxserve.pooling_params import PoolingParams
+from jaxserve.sampling_params import SamplingParams
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany. " * 3,
+    "hi",
+    "JAX compiles numerical programs with XLA for TPUs, GPUs and CPUs. " * 2,
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """A tiny Qwen3ForCausalLM: (path, the torch base model whose last_hidden_state is pooled)."""
+    path = tmp_path_factory.mktemp("qwen3_embed")
+    return str(path), make_family_checkpoint(path, "qwen3").model
+
+
+def reference(base, ids: list[int], pooling_type: str, normalize: bool = True, dims: int | None = None):
+    with torch.no_grad():
+        hidden = base(torch.tensor([ids])).last_hidden_state[0].double().numpy()
+    vector = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[pooling_type][:dims]
+    return vector / np.linalg.norm(vector) if normalize else vector
+
+
+def assert_close(got, want) -> None:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    cosine = got @ want / (np.linalg.norm(got) * np.linalg.norm(want))
+    assert cosine > 0.99999, cosine
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN", "CLS"])
+def test_embeddings_match_transformers(qwen3, pooling_type):
+    path, base = qwen3
+    llm = LLM(path, runner="pooling", **engine_kwargs(pooler_config={"pooling_type": pooling_type}))
+    tok = llm.get_tokenizer()
+    outs = llm.embed(PROMPTS, use_tqdm=False)
+    raw = llm.encode(PROMPTS, PoolingParams(normalize=False), use_tqdm=False)
+    for prompt, out, unnormalized in zip(PROMPTS, outs, raw):
+        ids = tok.encode(prompt)
+        assert out.prompt_token_ids == ids and out.finished
+        assert_close(out.outputs.embedding, reference(base, ids, pooling_type))
+        assert isinstance(unnormalized.outputs.data, np.ndarray)
+        assert_close(unnormalized.outputs.data, reference(base, ids, pooling_type, normalize=False))
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_chunked_and_preempted_prompts_pool_the_same(qwen3, async_scheduling):
+    """Prompts of 28-56 tokens in steps of 16 (chunks of every size) in a pool of 8 pages of 8 tokens
+    (so requests are preempted mid-prompt and recompute): MEAN sums across the chunks, CLS keeps
+    the first, LAST the last, and the vectors are transformers' all the same."""
+    path, base = qwen3
+    prompts = [PROMPTS[0] * 4, PROMPTS[1], PROMPTS[3] * 2, PROMPTS[3], PROMPTS[0] * 5]  # 28-56 tokens
+    for pooling_type in ("MEAN", "CLS", "LAST"):
+        kw = engine_kwargs(
+            max_num_batched_tokens=16,
+            long_prefill_token_threshold=8,  # two prompts' chunks a step: more of them start
+            num_gpu_blocks_override=9,
+            async_scheduling=async_scheduling,
+            pooler_config={"pooling_type": pooling_type},
+        )
+        llm = LLM(path, runner="pooling", **kw)
+        tok = llm.get_tokenizer()
+        outs = llm.embed(prompts, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            assert_close(out.outputs.embedding, reference(base, tok.encode(prompt), pooling_type))
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_base_model_with_sentence_transformers_files(tmp_path):
+    """A Qwen3Model checkpoint (tensors without "model.", no head) in a sentence-transformers folder
+    (MEAN pooling, a Normalize module): served for pooling with no flag, pooled as the folder says."""
+    import transformers
+
+    torch.manual_seed(1)
+    config = transformers.Qwen3Config(**{**TINY_LLAMA, "head_dim": 24})
+    base = transformers.Qwen3Model(config).eval()
+    base.save_pretrained(tmp_path)
+    make_tokenizer(config.vocab_size).save_pretrained(tmp_path)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    pooling = {
+        "word_embedding_dimension": 64,
+        "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": True,
+    }
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    llm = LLM(str(tmp_path), **engine_kwargs())
+    assert llm.llm_engine.config.model_config.runner_type == "pooling"
+    tok = llm.get_tokenizer()
+    for prompt, out in zip(PROMPTS, llm.embed(PROMPTS, use_tqdm=False)):
+        assert_close(out.outputs.embedding, reference(base, tok.encode(prompt), "MEAN"))
+
+
+def test_matryoshka_dimensions_and_truncation(qwen3):
+    path, base = qwen3
+    kw = engine_kwargs(hf_overrides={"matryoshka_dimensions": [16, 32, 64]}, max_model_len=40)
+    llm = LLM(path, runner="pooling", **kw)
+    tok = llm.get_tokenizer()
+    ids = tok.encode(PROMPTS[1])
+    assert len(ids) > 40
+    (cut,) = llm.embed(PROMPTS[0], PoolingParams(dimensions=16), use_tqdm=False)
+    assert_close(cut.outputs.embedding, reference(base, tok.encode(PROMPTS[0]), "LAST", dims=16))
+    (last,) = llm.embed(PROMPTS[1], truncate_prompt_tokens=20, use_tqdm=False)
+    assert last.prompt_token_ids == ids[-20:]
+    assert_close(last.outputs.embedding, reference(base, ids[-20:], "LAST"))
+    (whole,) = llm.embed(PROMPTS[1], PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)
+    assert whole.prompt_token_ids == ids[-40:]
+    with pytest.raises(ValueError, match="only supports \\[16, 32, 64\\] matryoshka dimensions"):
+        llm.embed(PROMPTS[0], PoolingParams(dimensions=20), use_tqdm=False)
+    with pytest.raises(ValueError, match="maximum context length is 40 tokens.*embedding generation"):
+        llm.embed(PROMPTS[1], use_tqdm=False)
+    with pytest.raises(ValueError, match="greater than max_model_len"):
+        llm.embed(PROMPTS[0], truncate_prompt_tokens=41, use_tqdm=False)
+    with pytest.raises(ValueError, match="generates no text"):
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=2), use_tqdm=False)
+    # the refused requests left nothing behind: the engine still embeds
+    (again,) = llm.embed(PROMPTS[0], use_tqdm=False)
+    assert_close(again.outputs.embedding, reference(base, tok.encode(PROMPTS[0]), "LAST"))
+
+
+def test_generative_model_refuses_pooling(qwen3):
+    path, _ = qwen3
+    llm = LLM(path, **engine_kwargs())
+    with pytest.raises(ValueError, match="needs a pooling model"):
+        llm.embed(PROMPTS[0], use_tqdm=False)
+    with pytest.raises(ValueError, match="embeddings need a pooling model"):
+        llm.llm_engine.add_request("x", PROMPTS[0], PoolingParams())
+    (out,) = llm.generate(PROMPTS[0], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
+
+
+def test_dimensions_need_a_matryoshka_model(qwen3):
+    path, _ = qwen3
+    llm = LLM(path, task="embed", **engine_kwargs())
+    with pytest.raises(ValueError, match="does not support matryoshka representation"):
+        llm.embed(PROMPTS[0], PoolingParams(dimensions=16), use_tqdm=False)
