@@ -37,11 +37,15 @@ def runner_and_pooler(args, path: str, hf_config: Mapping) -> tuple[str, PoolerC
             raise ValueError(f"--task {args.task} asks for --runner pooling --convert embed.")
         runner = "pooling"
     st_modules = _st_modules(path)
+    if runner == "auto" and convert == "embed":
+        runner = "pooling"
     if runner == "auto":
         runner = "pooling" if st_modules is not None or is_base_architecture(hf_config) else "generate"
     if runner == "generate":
         if convert not in ("auto", "none"):
             raise ValueError(f"--convert {convert} needs --runner pooling.")
+        if args.pooler_config or args.override_pooler_config:
+            raise ValueError("--pooler-config needs a pooling model (--runner pooling); this one generates.")
         return "generate", None
     if convert == "none" and not is_base_architecture(hf_config):
         raise ValueError("--runner pooling --convert none needs a pooling architecture (a base model's, "

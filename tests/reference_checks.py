@@ -252,3 +252,23 @@ def kv_amax(model, token_ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         ref(torch.tensor([token_ids]))
     return amax
+
+
+def pooled_reference(base_model, ids: list[int], pooling_type: str, normalize: bool = True, dims=None):
+    """transformers' last_hidden_state of `ids` pooled LAST, MEAN or CLS, cut to `dims` and
+    normalized as a pooling model's embedding is (float64)."""
+    import torch
+
+    with torch.no_grad():
+        hidden = base_model(torch.tensor([ids])).last_hidden_state[0].double().numpy()
+    vector = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[pooling_type][:dims]
+    return vector / np.linalg.norm(vector) if normalize else vector
+
+
+def assert_vectors_close(got, want) -> None:
+    """Float32 pooled vectors against a reference: cosine above 0.99999 and elementwise close."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    cosine = got @ want / (np.linalg.norm(got) * np.linalg.norm(want))
+    assert cosine > 0.99999, cosine
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

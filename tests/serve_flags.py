@@ -98,6 +98,10 @@ FLAGS = [
     ("--override-generation-config", {}, '{"temperature": 0.5}', {"temperature": 0.5}),
     ("--model-impl", "auto", "vllm", "vllm"),
     ("--task", "auto", "generate", "generate"),
+    ("--runner", "auto", "generate", "generate"),
+    ("--convert", "auto", "none", "none"),
+    ("--pooler-config", None, '{"pooling_type": "MEAN"}', {"pooling_type": "MEAN"}),
+    ("--override-pooler-config", None, '{"normalize": false}', {"normalize": False}),
     ("--logits-processor-pattern", None, "my_module.*", "my_module.*"),
     ("--enable-sleep-mode", False, True, True),
     # ---- CacheConfig

@@ -10,6 +10,7 @@ test_server_errors.py are the corpus of what fuzzing found before; grow it with 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 
@@ -24,8 +25,11 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+from tiny_models import engine_kwargs, make_family_checkpoint
 
+from jaxserve.args import EngineArgs
 from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints.openai.api_server import build_app
 from jaxserve.entrypoints.openai.openapi import openapi_document
 from jaxserve.entrypoints.openai.server_args import ServerArgs
@@ -34,12 +38,16 @@ pytestmark = pytest.mark.fuzz
 
 schema = schemathesis.openapi.from_dict(openapi_document())
 schema.config.generation.update(modes=list(GenerationMode), max_examples=25)
+pooling_schema = schemathesis.openapi.from_dict(openapi_document()).include(
+    path_regex="^/(v1/embeddings|pooling)$"
+)
+pooling_schema.config.generation.update(modes=list(GenerationMode), max_examples=25)
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 
-@pytest.fixture(scope="module")
-def base_url(llm_engine):
-    """A real server in a thread of its own (schemathesis calls it synchronously)."""
+@contextlib.contextmanager
+def serving(llm_engine):
+    """A real server in a thread of its own (schemathesis calls it synchronously): its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -65,6 +73,22 @@ def base_url(llm_engine):
     assert not llm_engine.has_unfinished_requests()
 
 
+@pytest.fixture(scope="module")
+def base_url(llm_engine):
+    with serving(llm_engine) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def pooling_url(tmp_path_factory):
+    """A server over a pooling model (a tiny Qwen3 served for embeddings)."""
+    path = tmp_path_factory.mktemp("fuzz_embedder")
+    make_family_checkpoint(path, "qwen3")
+    args = EngineArgs(model=str(path), runner="pooling", **engine_kwargs(max_model_len=64))
+    with serving(LLMEngine.from_engine_args(args)) as url:
+        yield url
+
+
 @schema.parametrize()
 @settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_no_request_gets_a_5xx_or_an_undocumented_answer(case, base_url):
@@ -73,3 +97,11 @@ def test_no_request_gets_a_5xx_or_an_undocumented_answer(case, base_url):
         if case.body.get(key) is None or (isinstance(case.body[key], int) and case.body[key] > 4):
             case.body[key] = 4
     case.call_and_validate(base_url=base_url, checks=CHECKS, timeout=30)
+
+
+@pooling_schema.parametrize()
+@settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_no_pooling_request_gets_a_5xx_or_an_undocumented_answer(case, pooling_url):
+    """The pooling endpoints against a model that serves them (the generation server refuses every
+    embedding it is asked for, so only here do the generated inputs reach the engine)."""
+    case.call_and_validate(base_url=pooling_url, checks=CHECKS, timeout=30)

@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from reference_checks import assert_vectors_close, pooled_reference
 from tiny_models import TINY_LLAMA, engine_kwargs, make_family_checkpoint, make_tokenizer
 
 from jaxserve import LLM
@@ -31,21 +32,6 @@ def qwen3(tmp_path_factory):
     return str(path), make_family_checkpoint(path, "qwen3").model
 
 
-def reference(base, ids: list[int], pooling_type: str, normalize: bool = True, dims: int | None = None):
-    with torch.no_grad():
-        hidden = base(torch.tensor([ids])).last_hidden_state[0].double().numpy()
-    vector = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[pooling_type][:dims]
-    return vector / np.linalg.norm(vector) if normalize else vector
-
-
-def assert_close(got, want) -> None:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape
-    cosine = got @ want / (np.linalg.norm(got) * np.linalg.norm(want))
-    assert cosine > 0.99999, cosine
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-
-
 @pytest.mark.parametrize("pooling_type", ["LAST", "MEAN", "CLS"])
 def test_embeddings_match_transformers(qwen3, pooling_type):
     path, base = qwen3
@@ -56,9 +42,11 @@ def test_embeddings_match_transformers(qwen3, pooling_type):
     for prompt, out, unnormalized in zip(PROMPTS, outs, raw):
         ids = tok.encode(prompt)
         assert out.prompt_token_ids == ids and out.finished
-        assert_close(out.outputs.embedding, reference(base, ids, pooling_type))
+        assert_vectors_close(out.outputs.embedding, pooled_reference(base, ids, pooling_type))
         assert isinstance(unnormalized.outputs.data, np.ndarray)
-        assert_close(unnormalized.outputs.data, reference(base, ids, pooling_type, normalize=False))
+        assert_vectors_close(
+            unnormalized.outputs.data, pooled_reference(base, ids, pooling_type, normalize=False)
+        )
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -80,7 +68,9 @@ def test_chunked_and_preempted_prompts_pool_the_same(qwen3, async_scheduling):
         tok = llm.get_tokenizer()
         outs = llm.embed(prompts, use_tqdm=False)
         for prompt, out in zip(prompts, outs):
-            assert_close(out.outputs.embedding, reference(base, tok.encode(prompt), pooling_type))
+            assert_vectors_close(
+                out.outputs.embedding, pooled_reference(base, tok.encode(prompt), pooling_type)
+            )
         assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
@@ -111,7 +101,7 @@ def test_base_model_with_sentence_transformers_files(tmp_path):
     assert llm.llm_engine.config.model_config.runner_type == "pooling"
     tok = llm.get_tokenizer()
     for prompt, out in zip(PROMPTS, llm.embed(PROMPTS, use_tqdm=False)):
-        assert_close(out.outputs.embedding, reference(base, tok.encode(prompt), "MEAN"))
+        assert_vectors_close(out.outputs.embedding, pooled_reference(base, tok.encode(prompt), "MEAN"))
 
 
 def test_matryoshka_dimensions_and_truncation(qwen3):
@@ -122,10 +112,12 @@ def test_matryoshka_dimensions_and_truncation(qwen3):
     ids = tok.encode(PROMPTS[1])
     assert len(ids) > 40
     (cut,) = llm.embed(PROMPTS[0], PoolingParams(dimensions=16), use_tqdm=False)
-    assert_close(cut.outputs.embedding, reference(base, tok.encode(PROMPTS[0]), "LAST", dims=16))
+    assert_vectors_close(
+        cut.outputs.embedding, pooled_reference(base, tok.encode(PROMPTS[0]), "LAST", dims=16)
+    )
     (last,) = llm.embed(PROMPTS[1], truncate_prompt_tokens=20, use_tqdm=False)
     assert last.prompt_token_ids == ids[-20:]
-    assert_close(last.outputs.embedding, reference(base, ids[-20:], "LAST"))
+    assert_vectors_close(last.outputs.embedding, pooled_reference(base, ids[-20:], "LAST"))
     (whole,) = llm.embed(PROMPTS[1], PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)
     assert whole.prompt_token_ids == ids[-40:]
     with pytest.raises(ValueError, match="only supports \\[16, 32, 64\\] matryoshka dimensions"):
@@ -138,7 +130,7 @@ def test_matryoshka_dimensions_and_truncation(qwen3):
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=2), use_tqdm=False)
     # the refused requests left nothing behind: the engine still embeds
     (again,) = llm.embed(PROMPTS[0], use_tqdm=False)
-    assert_close(again.outputs.embedding, reference(base, tok.encode(PROMPTS[0]), "LAST"))
+    assert_vectors_close(again.outputs.embedding, pooled_reference(base, tok.encode(PROMPTS[0]), "LAST"))
 
 
 def test_generative_model_refuses_pooling(qwen3):

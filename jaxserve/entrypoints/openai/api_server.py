@@ -33,6 +33,7 @@ from jaxserve.entrypoints.openai.http_middleware import (
 )
 from jaxserve.entrypoints.openai.json_body import read_json_object
 from jaxserve.entrypoints.openai.openapi import openapi_document
+from jaxserve.entrypoints.openai.pooling_protocol import EmbeddingRequest, PoolingRequest
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,6 +48,7 @@ from jaxserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from jaxserve.entrypoints.openai.server_args import ServerArgs
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxserve.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from jaxserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxserve.entrypoints.openai.tls import ssl_context, ssl_refresher
 from jaxserve.entrypoints.openai.user_middleware import load_middleware
@@ -102,6 +104,7 @@ class _Routes:
         self.completion = OpenAIServingCompletion(engine, args, self.loras)
         self.chat = OpenAIServingChat(engine, args, self.loras)
         self.responses = OpenAIServingResponses(self.chat)
+        self.pooling = OpenAIServingPooling(engine, args, self.loras)
 
     def add_to(self, router: web.UrlDispatcher, prefix: str = "") -> None:
         r = router
@@ -114,6 +117,8 @@ class _Routes:
         r.add_post(prefix + "/v1/chat/completions", self.chat_completions)
         r.add_post(prefix + "/v1/responses", self.create_response)
         r.add_get(prefix + "/v1/responses/{response_id}", self.retrieve_response)
+        r.add_post(prefix + "/v1/embeddings", self.embeddings)
+        r.add_post(prefix + "/pooling", self.pooled)
         r.add_post(prefix + "/tokenize", self.tokenize)
         r.add_post(prefix + "/detokenize", self.detokenize)
         if self.args.enable_server_load_tracking:
@@ -226,6 +231,12 @@ class _Routes:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self.chat.create(await _parse(request, ChatCompletionRequest), request)
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        return await self.pooling.create(await _parse(request, EmbeddingRequest), request, "embedding")
+
+    async def pooled(self, request: web.Request) -> web.Response:
+        return await self.pooling.create(await _parse(request, PoolingRequest), request, "pooling")
 
     async def create_response(self, request: web.Request) -> web.StreamResponse:
         return await self.responses.create(await _parse(request, ResponsesRequest), request)

@@ -12,6 +12,7 @@ from http import HTTPStatus
 from pydantic import BaseModel
 
 from jaxserve import __version__
+from jaxserve.entrypoints.openai.pooling_protocol import EmbeddingRequest, PoolingRequest
 from jaxserve.entrypoints.openai.protocol import (
     ERROR_RESPONSE_SCHEMA,
     ChatCompletionRequest,
@@ -76,6 +77,20 @@ def openapi_document(root_path: str | None = None) -> dict:
                     {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
                 ],
                 **_answers("application/json", errors=("404",)),
+            }
+        },
+        "/v1/embeddings": {
+            "post": {
+                "summary": "Create embeddings",
+                **body(EmbeddingRequest),
+                **_answers("application/json", errors=client_errors),
+            }
+        },
+        "/pooling": {
+            "post": {
+                "summary": "Pooling",
+                **body(PoolingRequest),
+                **_answers("application/json", errors=client_errors),
             }
         },
         "/tokenize": {

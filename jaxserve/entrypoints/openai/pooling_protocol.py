@@ -1,0 +1,80 @@
+"""Request bodies of the pooling endpoints: POST /v1/embeddings (OpenAI's, plus vLLM's extras) and
+POST /pooling (vLLM's), validated with pydantic like protocol.py's, and the vector's encoding.
+
+An input is one text, several, one token-id list or several; or, instead, `messages`, which the
+model's chat template turns into one prompt (vLLM's chat form of the same endpoints).
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import Field
+
+from jaxserve.entrypoints.openai.protocol import (
+    MAX_PROMPTS_PER_REQUEST,
+    ChatMessage,
+    OpenAIBaseModel,
+    bad_request,
+)
+from jaxserve.pooling_params import PoolingParams
+
+
+class EmbeddingRequest(OpenAIBaseModel):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]] | None = Field(None, union_mode="left_to_right")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM's extras
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    add_special_tokens: bool = True
+    priority: int = 0
+    request_id: str | None = None
+    normalize: bool | None = None
+    # the chat form: a conversation through the chat template instead of `input`
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """`input` as a list of prompts (text or token ids)."""
+        if (self.input is None) == (self.messages is None):
+            raise bad_request("Give either `input` or `messages`.", "input")
+        p = self.input
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("input must not be empty.", "input")
+        if isinstance(p[0], int):
+            return [list(p)]
+        if len(p) > MAX_PROMPTS_PER_REQUEST:
+            raise bad_request(
+                f"input holds {len(p)} prompts; one request may batch at most {MAX_PROMPTS_PER_REQUEST}.",
+                "input",
+            )
+        return list(p)
+
+    def to_pooling_params(self, task: str) -> PoolingParams:
+        return PoolingParams(
+            dimensions=self.dimensions,
+            normalize=self.normalize,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            task=task,
+        )
+
+
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's /pooling: the same fields; the answer carries the pooled vector as `data`."""
+
+
+def encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:
+    """The vector as JSON numbers, or as OpenAI's base64 of its little-endian float32 bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode("ascii")
+    return np.asarray(vector, np.float32).tolist()

@@ -1,0 +1,132 @@
+"""POST /v1/embeddings and /pooling over a pooling model, through the OpenAI SDK and raw HTTP:
+vectors equal transformers' pooled hidden states (floats and base64), inputs of every shape,
+Matryoshka dimensions, truncation, the chat form; bad input and the wrong kind of model are 4xx."""
+
+from __future__ import annotations
+
+import base64
+import re
+
+import numpy as np
+import openai
+import pytest
+from aiohttp import ClientSession
+from aiohttp.test_utils import TestServer
+from reference_checks import assert_vectors_close, pooled_reference
+from tiny_models import engine_kwargs, make_family_checkpoint
+
+from jaxserve.args import EngineArgs
+from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.entrypoints.openai.api_server import HANDLER_SETTINGS, build_app
+from jaxserve.entrypoints.openai.server_args import ServerArgs
+
+EMBEDDER = "tiny-embedder"
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.", "hi"]
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory):
+    """(a MEAN-pooling engine over a tiny Qwen3 with Matryoshka sizes, the torch base model)."""
+    path = tmp_path_factory.mktemp("embedder")
+    base = make_family_checkpoint(path, "qwen3").model
+    args = EngineArgs(
+        model=str(path),
+        served_model_name=[EMBEDDER],
+        runner="pooling",
+        pooler_config={"pooling_type": "MEAN"},
+        **engine_kwargs(hf_overrides={"matryoshka_dimensions": [16, 64]}, max_model_len=40),
+    )
+    return LLMEngine.from_engine_args(args), base
+
+
+@pytest.fixture
+async def base_url(embedder):
+    engine, _ = embedder
+    server = TestServer(
+        build_app(AsyncLLMEngine(engine), ServerArgs(disable_log_stats=True)),
+        host="127.0.0.1",
+        **HANDLER_SETTINGS,
+    )
+    await server.start_server()
+    yield str(server.make_url("/"))
+    await server.close()
+    assert not engine.has_unfinished_requests()
+
+
+def expected(embedder, ids, dims=None, normalize=True):
+    return pooled_reference(embedder[1], ids, "MEAN", normalize=normalize, dims=dims)
+
+
+async def test_sdk_embeddings_equal_transformers(base_url, embedder):
+    client = openai.AsyncOpenAI(base_url=base_url + "v1", api_key="unused", max_retries=0)
+    tok = embedder[0].tokenizer
+    for encoding_format in (openai.NOT_GIVEN, "float", "base64"):  # the SDK asks for base64 by default
+        result = await client.embeddings.create(model=EMBEDDER, input=TEXTS, encoding_format=encoding_format)
+        assert [d.index for d in result.data] == [0, 1, 2]
+        for text, item in zip(TEXTS, result.data):
+            vector = item.embedding
+            if encoding_format == "base64":  # the SDK hands back what the server sent
+                vector = np.frombuffer(base64.b64decode(vector), "<f4")
+            assert_vectors_close(vector, expected(embedder, tok.encode(text)))
+        assert result.usage.prompt_tokens == sum(len(tok.encode(t)) for t in TEXTS)
+        assert result.usage.total_tokens == result.usage.prompt_tokens
+    cut = await client.embeddings.create(model=EMBEDDER, input=TEXTS[0], dimensions=16)
+    assert_vectors_close(cut.data[0].embedding, expected(embedder, tok.encode(TEXTS[0]), dims=16))
+    with pytest.raises(openai.BadRequestError, match="only supports \\[16, 64\\] matryoshka dimensions"):
+        await client.embeddings.create(model=EMBEDDER, input=TEXTS[0], dimensions=20)
+    with pytest.raises(openai.NotFoundError):
+        await client.embeddings.create(model="no-such-model", input=TEXTS[0])
+    await client.close()
+
+
+async def test_raw_inputs_pooling_and_chat_form(base_url, embedder):
+    tok = embedder[0].tokenizer
+    ids = [tok.encode(t) for t in TEXTS]
+    long_ids = tok.encode(" ".join(TEXTS * 3))
+    assert len(long_ids) > 40
+    async with ClientSession() as http:
+
+        async def post(path, body):
+            async with http.post(base_url + path, json=body) as r:
+                return r.status, await r.json()
+
+        status, body = await post("v1/embeddings", {"input": ids[0], "normalize": False})
+        assert status == 200 and body["object"] == "list" and body["model"] == EMBEDDER
+        assert body["data"][0]["object"] == "embedding" and body["id"].startswith("embd-")
+        assert_vectors_close(body["data"][0]["embedding"], expected(embedder, ids[0], normalize=False))
+        status, body = await post("pooling", {"model": EMBEDDER, "input": ids})
+        assert status == 200 and [d["object"] for d in body["data"]] == ["pooling"] * 3
+        for want, item in zip(ids, body["data"]):
+            assert_vectors_close(item["data"], expected(embedder, want))
+        status, body = await post("v1/embeddings", {"input": long_ids, "truncate_prompt_tokens": 12})
+        assert status == 200 and body["usage"]["prompt_tokens"] == 12
+        assert_vectors_close(body["data"][0]["embedding"], expected(embedder, long_ids[-12:]))
+        messages = [{"role": "user", "content": TEXTS[1]}]
+        status, body = await post("v1/embeddings", {"messages": messages})
+        chat_ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
+        chat_ids = list(chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids)
+        assert status == 200 and body["usage"]["prompt_tokens"] == len(chat_ids)
+        assert_vectors_close(body["data"][0]["embedding"], expected(embedder, list(chat_ids)))
+        bad = [
+            ({"input": long_ids}, "maximum context length is 40 tokens"),
+            ({"input": []}, "must not be empty"),
+            ({"input": TEXTS[0], "messages": messages}, "either `input` or `messages`"),
+            ({"input": TEXTS[0], "dimensions": 0}, "matryoshka|greater than 0"),
+            ({"input": TEXTS[0], "encoding_format": "int8"}, "encoding_format"),
+            ({"input": [10**6]}, "Prompt token ids must be in"),
+        ]
+        for request, message in bad:
+            status, body = await post("v1/embeddings", request)
+            assert status == 400, (request, body)
+            assert set(body["error"]) == {"message", "type", "param", "code"}
+            assert re.search(message, body["error"]["message"]), (message, body)
+        status, body = await post("v1/completions", {"prompt": TEXTS[0], "max_tokens": 2})
+        assert status == 400 and "served for pooling" in body["error"]["message"]
+
+
+async def test_a_generation_model_refuses_embeddings(http):
+    session, url = http
+    async with session.post(url + "v1/embeddings", json={"input": "hello"}) as r:
+        assert r.status == 400
+        assert "embeddings need a pooling model" in (await r.json())["error"]["message"]
