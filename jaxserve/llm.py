@@ -14,8 +14,8 @@ from jaxserve.args import EngineArgs
 from jaxserve.engine.input_processor import PromptType
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.lora.request import LoRARequest
-from jaxserve.outputs import PoolingRequestOutput, RequestOutput
-from jaxserve.pooling_params import POOLING_TASKS, PoolingParams
+from jaxserve.outputs import PoolingRequestOutput, RequestOutput, ScoringOutput
+from jaxserve.pooling_params import POOLING_TASKS, PoolingParams, cosine
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -109,6 +109,39 @@ class LLM:
             pooling_params = [p.clone(truncate_prompt_tokens=truncate_prompt_tokens) for p in pooling_params]
         pooling_params = [p.clone(task=pooling_task) for p in pooling_params]
         return self._run(prompts, pooling_params, use_tqdm, None, lora_request)
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's LLM.score with an embedding model: the cosine similarity of each pair's
+        embeddings (`outputs.score`), data_1 one text against each of data_2, or pairwise."""
+        first = [data_1] if isinstance(data_1, str) else list(data_1)
+        second = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if not second or len(first) != len(second):
+            raise ValueError(
+                f"Got {len(first)} data_1 texts for {len(second)} data_2 texts; give one or as many."
+            )
+        distinct = list(dict.fromkeys(first + second))
+        outs = self.encode(distinct, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                           lora_request=lora_request, pooling_task="embed")  # fmt: skip
+        by_text = dict(zip(distinct, outs))
+        return [
+            PoolingRequestOutput(
+                request_id=str(i),
+                outputs=ScoringOutput(cosine(by_text[a].outputs.data, by_text[b].outputs.data)),
+                prompt_token_ids=by_text[a].prompt_token_ids + by_text[b].prompt_token_ids,
+                finished=True,
+            )
+            for i, (a, b) in enumerate(zip(first, second))
+        ]
 
     def _run(self, prompts: list, params: list, use_tqdm: bool, priority, lora_request) -> list:
         """Add every prompt with its params (all or none: a refused one aborts those added), then

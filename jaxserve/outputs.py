@@ -93,12 +93,19 @@ class EmbeddingOutput:
 
 
 @dataclass
+class ScoringOutput:
+    """What LLM.score returns per pair (vLLM's): how similar the two texts are."""
+
+    score: float
+
+
+@dataclass
 class PoolingRequestOutput:
-    """vLLM's PoolingRequestOutput: one pooling request's result (`outputs`: a PoolingOutput, or an
-    EmbeddingOutput from LLM.embed)."""
+    """vLLM's PoolingRequestOutput: one pooling request's result (`outputs`: a PoolingOutput, an
+    EmbeddingOutput from LLM.embed, a ScoringOutput from LLM.score)."""
 
     request_id: str
-    outputs: PoolingOutput | EmbeddingOutput
+    outputs: PoolingOutput | EmbeddingOutput | ScoringOutput
     prompt_token_ids: list[int]
     finished: bool
     prompt: str | None = None
@@ -111,5 +118,5 @@ class PoolingRequestOutput:
         return dataclasses.replace(self, outputs=EmbeddingOutput(np.asarray(data).tolist()))
 
 
-# vLLM's name for LLM.embed's outputs
-EmbeddingRequestOutput = PoolingRequestOutput
+# vLLM's names for LLM.embed's and LLM.score's outputs
+EmbeddingRequestOutput = ScoringRequestOutput = PoolingRequestOutput

@@ -68,3 +68,9 @@ def finish_embedding(vector: np.ndarray, dimensions: int | None, normalize: bool
     if normalize:
         vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
     return vector.astype(np.float32)
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """The cosine similarity of two vectors (what scoring and reranking with an embedding model give)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a @ b / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-12))

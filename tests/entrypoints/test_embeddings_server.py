@@ -130,3 +130,50 @@ async def test_a_generation_model_refuses_embeddings(http):
     async with session.post(url + "v1/embeddings", json={"input": "hello"}) as r:
         assert r.status == 400
         assert "embeddings need a pooling model" in (await r.json())["error"]["message"]
+
+
+async def test_score_and_rerank_rank_by_cosine_similarity(base_url, embedder):
+    tok = embedder[0].tokenizer
+    vector = {t: expected(embedder, tok.encode(t)) for t in TEXTS}
+
+    def cos(a, b):
+        return float(vector[a] @ vector[b] / (np.linalg.norm(vector[a]) * np.linalg.norm(vector[b])))
+
+    async with ClientSession() as http:
+
+        async def post(path, body):
+            async with http.post(base_url + path, json=body) as r:
+                return r.status, await r.json()
+
+        cases = [  # one to one, one to many, pairwise
+            ({"text_1": TEXTS[0], "text_2": TEXTS[1]}, [(0, 1)]),
+            ({"text_1": TEXTS[0], "text_2": TEXTS}, [(0, 0), (0, 1), (0, 2)]),
+            ({"text_1": TEXTS[:2], "text_2": TEXTS[1:]}, [(0, 1), (1, 2)]),
+        ]
+        for path in ("score", "v1/score"):
+            for request, pairs in cases:
+                status, body = await post(path, {"model": EMBEDDER, **request})
+                assert status == 200 and body["object"] == "list", body
+                assert [d["object"] for d in body["data"]] == ["score"] * len(pairs)
+                want = [cos(TEXTS[a], TEXTS[b]) for a, b in pairs]
+                np.testing.assert_allclose([d["score"] for d in body["data"]], want, atol=1e-5)
+        status, body = await post("score", {"text_1": TEXTS[:2], "text_2": TEXTS})
+        assert status == 400 and "give one text_1, or as many" in body["error"]["message"]
+        ranked = sorted(range(3), key=lambda i: -cos(TEXTS[1], TEXTS[i]))
+        for path in ("rerank", "v1/rerank", "v2/rerank"):
+            status, body = await post(path, {"query": TEXTS[1], "documents": TEXTS, "top_n": 2})
+            assert status == 200, body
+            assert [r["index"] for r in body["results"]] == ranked[:2]
+            assert body["results"][0]["document"] == {"text": TEXTS[ranked[0]]}
+            assert body["results"][0]["relevance_score"] == pytest.approx(
+                cos(TEXTS[1], TEXTS[ranked[0]]), abs=1e-5
+            )
+            assert body["usage"]["total_tokens"] == sum(
+                len(tok.encode(t)) for t in TEXTS
+            )  # the query is a document
+        status, body = await post(
+            "rerank", {"query": TEXTS[1], "documents": TEXTS, "return_documents": False}
+        )
+        assert [r["index"] for r in body["results"]] == ranked and "document" not in body["results"][0]
+        status, body = await post("rerank", {"query": TEXTS[1], "documents": []})
+        assert status == 400 and body["error"]["param"] == "documents"

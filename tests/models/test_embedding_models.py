@@ -6,6 +6,7 @@ preemption and both schedulings give the same vectors; bad requests are refused.
 from __future__ import annotations
 
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -74,34 +75,67 @@ def test_chunked_and_preempted_prompts_pool_the_same(qwen3, async_scheduling):
         assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
-def test_base_model_with_sentence_transformers_files(tmp_path):
-    """A Qwen3Model checkpoint (tensors without "model.", no head) in a sentence-transformers folder
-    (MEAN pooling, a Normalize module): served for pooling with no flag, pooled as the folder says."""
+@pytest.fixture(scope="module")
+def st_folder(tmp_path_factory):
+    """A sentence-transformers folder around a Qwen3Model checkpoint (tensors without "model.", no
+    head): MEAN pooling, a Normalize module. (path, the torch base model)"""
     import transformers
 
+    path = tmp_path_factory.mktemp("st_qwen3")
     torch.manual_seed(1)
     config = transformers.Qwen3Config(**{**TINY_LLAMA, "head_dim": 24})
     base = transformers.Qwen3Model(config).eval()
-    base.save_pretrained(tmp_path)
-    make_tokenizer(config.vocab_size).save_pretrained(tmp_path)
+    base.save_pretrained(path)
+    tokenizer = make_tokenizer(config.vocab_size)
+    tokenizer.pad_token = tokenizer.eos_token  # sentence-transformers pads its batches (masked)
+    tokenizer.save_pretrained(path)
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
         {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
     ]
-    (tmp_path / "modules.json").write_text(json.dumps(modules))
-    (tmp_path / "1_Pooling").mkdir()
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
     pooling = {
         "word_embedding_dimension": 64,
         "pooling_mode_cls_token": False,
         "pooling_mode_mean_tokens": True,
     }
-    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
-    llm = LLM(str(tmp_path), **engine_kwargs())
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return str(path), base
+
+
+def test_base_model_with_sentence_transformers_files(st_folder):
+    """Served for pooling with no flag, pooled as the folder says."""
+    path, base = st_folder
+    llm = LLM(path, **engine_kwargs())
     assert llm.llm_engine.config.model_config.runner_type == "pooling"
     tok = llm.get_tokenizer()
     for prompt, out in zip(PROMPTS, llm.embed(PROMPTS, use_tqdm=False)):
         assert_vectors_close(out.outputs.embedding, pooled_reference(base, tok.encode(prompt), "MEAN"))
+
+
+def test_retrieval_ranks_as_sentence_transformers(st_folder):
+    """20 queries against 52 documents: the served embeddings' top 5 of each query, and LLM.score's
+    similarities, are sentence-transformers' own on the same folder."""
+    from sentence_transformers import SentenceTransformer
+
+    path, _ = st_folder
+    corpus = json.loads(
+        (pathlib.Path(__file__).parents[1] / "fixtures" / "retrieval_corpus.json").read_text()
+    )
+    docs, queries = corpus["documents"], corpus["queries"]
+    st = SentenceTransformer(path, device="cpu")
+    st_docs, st_queries = st.encode(docs), st.encode(queries)
+    llm = LLM(path, **engine_kwargs(max_model_len=64))
+    ours_docs = np.array([o.outputs.embedding for o in llm.embed(docs, use_tqdm=False)])
+    ours_queries = np.array([o.outputs.embedding for o in llm.embed(queries, use_tqdm=False)])
+    np.testing.assert_allclose(ours_docs, st_docs, atol=2e-5)
+    want = np.argsort(-(st_queries @ st_docs.T), axis=1)[:, :5]
+    got = np.argsort(-(ours_queries @ ours_docs.T), axis=1)[:, :5]
+    np.testing.assert_array_equal(got, want)
+    scores = [o.outputs.score for o in llm.score(queries[0], docs[:8], use_tqdm=False)]
+    np.testing.assert_allclose(scores, st.similarity(st_queries[:1], st_docs[:8]).numpy()[0], atol=1e-5)
 
 
 def test_matryoshka_dimensions_and_truncation(qwen3):

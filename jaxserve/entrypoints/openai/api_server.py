@@ -45,6 +45,7 @@ from jaxserve.entrypoints.openai.protocol import (
     validation_message,
 )
 from jaxserve.entrypoints.openai.responses_protocol import ResponsesRequest
+from jaxserve.entrypoints.openai.score_protocol import RerankRequest, ScoreRequest
 from jaxserve.entrypoints.openai.server_args import ServerArgs
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -119,6 +120,10 @@ class _Routes:
         r.add_get(prefix + "/v1/responses/{response_id}", self.retrieve_response)
         r.add_post(prefix + "/v1/embeddings", self.embeddings)
         r.add_post(prefix + "/pooling", self.pooled)
+        r.add_post(prefix + "/score", self.score)
+        r.add_post(prefix + "/v1/score", self.score)
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            r.add_post(prefix + path, self.rerank)
         r.add_post(prefix + "/tokenize", self.tokenize)
         r.add_post(prefix + "/detokenize", self.detokenize)
         if self.args.enable_server_load_tracking:
@@ -237,6 +242,12 @@ class _Routes:
 
     async def pooled(self, request: web.Request) -> web.Response:
         return await self.pooling.create(await _parse(request, PoolingRequest), request, "pooling")
+
+    async def score(self, request: web.Request) -> web.Response:
+        return await self.pooling.score(await _parse(request, ScoreRequest), request)
+
+    async def rerank(self, request: web.Request) -> web.Response:
+        return await self.pooling.rerank(await _parse(request, RerankRequest), request)
 
     async def create_response(self, request: web.Request) -> web.StreamResponse:
         return await self.responses.create(await _parse(request, ResponsesRequest), request)

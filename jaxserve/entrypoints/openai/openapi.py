@@ -21,6 +21,7 @@ from jaxserve.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
 )
 from jaxserve.entrypoints.openai.responses_protocol import ResponsesRequest
+from jaxserve.entrypoints.openai.score_protocol import RerankRequest, ScoreRequest
 
 
 def _body(model: type[BaseModel], schemas: dict) -> dict:
@@ -92,6 +93,26 @@ def openapi_document(root_path: str | None = None) -> dict:
                 **body(PoolingRequest),
                 **_answers("application/json", errors=client_errors),
             }
+        },
+        **{
+            path: {
+                "post": {
+                    "summary": "Score",
+                    **body(ScoreRequest),
+                    **_answers("application/json", errors=client_errors),
+                }
+            }
+            for path in ("/score", "/v1/score")
+        },
+        **{
+            path: {
+                "post": {
+                    "summary": "Rerank",
+                    **body(RerankRequest),
+                    **_answers("application/json", errors=client_errors),
+                }
+            }
+            for path in ("/rerank", "/v1/rerank", "/v2/rerank")
         },
         "/tokenize": {
             "post": {
