@@ -15,7 +15,13 @@ import textwrap
 
 import numpy as np
 import pytest
-from reference_checks import check_greedy, kv_quantized_reference, quantized_reference
+from reference_checks import (
+    assert_vectors_close,
+    check_greedy,
+    kv_quantized_reference,
+    pooled_reference,
+    quantized_reference,
+)
 from tiny_models import TP_LLAMA, engine_kwargs, make_checkpoint, run_on_fake_devices
 
 from jaxserve.args import EngineArgs
@@ -106,6 +112,13 @@ SCRIPT = textwrap.dedent(
             use_tqdm=False,
         )
         report["orbax_tp8"] = {"tokens": [o.outputs[0].token_ids for o in outs]}
+    if not expert_parallel and quantization is None:  # served as an embedding model, split the same way
+        report["embeddings"] = {}
+        for tp in (1, 2):
+            llm = LLM(path, runner="pooling", pooler_config={"pooling_type": "MEAN"},
+                      **engine_kwargs(tensor_parallel_size=tp))
+            outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+            report["embeddings"][tp] = [o.outputs.embedding for o in outs]
     print(json.dumps(report))
     """
 )
@@ -160,6 +173,10 @@ def test_greedy_tokens_are_the_same_at_every_tensor_parallel_size(tp_runs):
     for prompt, tokens in zip(PROMPTS, runs[1]["tokens"]):
         compared, total = check_greedy(model, prompt, tokens)
         assert total == 16 and compared >= 14
+    if family == "llama":  # the pooling model at tp = 1 and 2: transformers' mean hidden state
+        for tp in ("1", "2"):
+            for prompt, vector in zip(PROMPTS, runs["embeddings"][tp]):
+                assert_vectors_close(vector, pooled_reference(model.model, prompt, "MEAN"))
 
 
 def test_each_device_holds_only_its_slice(tp_runs):
@@ -167,7 +184,7 @@ def test_each_device_holds_only_its_slice(tp_runs):
     head_dim = TP_LLAMA["hidden_size"] // TP_LLAMA["num_attention_heads"]
     kv_heads = TP_LLAMA["num_key_value_heads"]
     for tp, run in runs.items():
-        if tp == "orbax_tp8":
+        if tp in ("orbax_tp8", "embeddings"):
             continue
         w = run["weights"]
         assert all(entry["devices"] == tp for entry in w.values())

@@ -98,3 +98,30 @@ def test_forced_tool_calls_end_within_a_few_dozen_tokens_at_temperature_one(llm,
         assert calls
         for call in calls:
             jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+
+
+def test_served_as_an_embedder_it_pools_transformers_hidden_states(smollm2_reference, prompts):
+    """The real default model as an embedding model (MEAN and LAST, from its 4-bit GGUF file):
+    cosine >= 0.999 with transformers' last_hidden_state pooled the same way (the projections'
+    int16 rounding of x, as for the logits above, is all that differs)."""
+    import torch
+
+    with torch.no_grad():
+        hidden = [
+            smollm2_reference.model(torch.tensor([ids])).last_hidden_state[0].numpy() for ids in prompts
+        ]
+    for pooling_type, pool in (("MEAN", lambda h: h.mean(0)), ("LAST", lambda h: h[-1])):
+        embedder = LLM(
+            runner="pooling",
+            pooler_config={"pooling_type": pooling_type},
+            max_model_len=256,
+            max_num_batched_tokens=64,  # the chat prompt runs in chunks
+            max_num_seqs=8,
+            use_tqdm_on_load=False,
+            enforce_eager=True,
+            compilation_config={"token_buckets": [16, 64]},
+        )
+        outs = embedder.embed([{"prompt_token_ids": ids} for ids in prompts], use_tqdm=False)
+        for out, h in zip(outs, hidden):
+            want = pool(h) / np.linalg.norm(pool(h))
+            assert float(np.dot(out.outputs.embedding, want)) > 0.999
