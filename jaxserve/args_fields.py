@@ -195,9 +195,9 @@ class EngineArgsFields:
         G.MODEL,
         "auto",
         "What the model is served for (vLLM's older spelling of --runner / --convert): embed (or "
-        "embedding) serves it as an embedding model.",
+        "embedding) serves it as an embedding model, classify (or score) a sequence classifier.",
         choices=("auto", "generate", "embedding", "embed", "classify", "score", "reward", "transcription"),
-        supported=("auto", "generate", "embedding", "embed"),
+        supported=("auto", "generate", "embedding", "embed", "classify", "score"),
     )
     runner: str = arg(
         G.MODEL,
@@ -211,16 +211,17 @@ class EngineArgsFields:
     convert: str = arg(
         G.MODEL,
         "auto",
-        "What a pooling runner makes of a generative architecture: embed (its final hidden states, "
-        "pooled). auto: embed for --runner pooling.",
+        "What a pooling runner makes of the model: embed (its final hidden states, pooled) or "
+        "classify (a *ForSequenceClassification checkpoint's score head over them). auto: the "
+        "checkpoint's own.",
         choices=("auto", "none", "embed", "classify", "reward", "mm_encoder_only"),
-        supported=("auto", "none", "embed"),
+        supported=("auto", "none", "embed", "classify"),
     )
     pooler_config: dict | str | None = arg(
         G.MODEL,
         None,
         "JSON object: how a pooling model reduces a prompt (pooling_type LAST, MEAN or CLS; "
-        "normalize), over what the model's sentence-transformers files say.",
+        "normalize, dimensions; a classifier's activation), over the model's sentence-transformers files.",
     )
     override_pooler_config: dict | str | None = arg(
         G.MODEL, None, "vLLM's older name of --pooler-config (the two are merged, this one last)."

@@ -86,6 +86,11 @@ class PoolerConfig:
 
     pooling_type: str = "LAST"
     normalize: bool = True
+    # "embed": the pooled vector is the output; "classify": it is a score head's logits over
+    # `labels`, turned into probabilities (softmax; sigmoid for one label) when `activation`
+    task: str = "embed"
+    labels: tuple[str, ...] = ()
+    activation: bool = True
     dimensions: int | None = None  # a request's `dimensions` when it gives none
     matryoshka_dimensions: tuple[int, ...] | None = None
     is_matryoshka: bool = False

@@ -15,7 +15,14 @@ from jaxserve.engine.input_processor import PromptType
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import PoolingRequestOutput, RequestOutput, ScoringOutput
-from jaxserve.pooling_params import POOLING_TASKS, PoolingParams, cosine
+from jaxserve.pooling_params import (
+    POOLING_TASKS,
+    PoolingParams,
+    cosine,
+    is_cross_encoder,
+    pair_prompt,
+    score_pairs,
+)
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -98,8 +105,8 @@ class LLM:
             )
         if self.llm_engine.config.model_config.runner_type != "pooling":
             raise ValueError(
-                f"LLM.{'embed' if pooling_task == 'embed' else 'encode'} needs a pooling model "
-                "(--runner pooling); this one is served for generation."
+                f"LLM.{pooling_task if pooling_task in ('embed', 'classify') else 'encode'} needs a pooling "
+                "model (--runner pooling); this one is served for generation."
             )
         if pooling_params is None:
             pooling_params = PoolingParams()
@@ -110,6 +117,21 @@ class LLM:
         pooling_params = [p.clone(task=pooling_task) for p in pooling_params]
         return self._run(prompts, pooling_params, use_tqdm, None, lora_request)
 
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's LLM.classify: each prompt's class probabilities (`outputs.probs`), from a
+        sequence classifier (a *ForSequenceClassification checkpoint)."""
+        outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                           use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="classify")  # fmt: skip
+        return [out.as_classification() for out in outs]
+
     def score(
         self,
         data_1: str | Sequence[str],
@@ -119,28 +141,24 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | None = None,
     ) -> list[PoolingRequestOutput]:
-        """vLLM's LLM.score with an embedding model: the cosine similarity of each pair's
-        embeddings (`outputs.score`), data_1 one text against each of data_2, or pairwise."""
-        first = [data_1] if isinstance(data_1, str) else list(data_1)
-        second = [data_2] if isinstance(data_2, str) else list(data_2)
-        if len(first) == 1:
-            first = first * len(second)
-        if not second or len(first) != len(second):
-            raise ValueError(
-                f"Got {len(first)} data_1 texts for {len(second)} data_2 texts; give one or as many."
-            )
-        distinct = list(dict.fromkeys(first + second))
-        outs = self.encode(distinct, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
-                           lora_request=lora_request, pooling_task="embed")  # fmt: skip
-        by_text = dict(zip(distinct, outs))
+        """vLLM's LLM.score: how alike each pair of texts is (`outputs.score`), data_1 one text
+        against each of data_2, or pairwise. An embedding model: the cosine similarity of their
+        embeddings; a cross-encoder (a classifier of one label): its probability for the pair."""
+        pairs = score_pairs(data_1, data_2)
+        kw = dict(truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm, lora_request=lora_request)
+        if is_cross_encoder(self.llm_engine.config.model_config.pooler_config):
+            prompts = [pair_prompt(self.get_tokenizer(), a, b) for a, b in pairs]
+            outs = self.encode(prompts, pooling_task="score", **kw)
+            scores = [float(out.outputs.data[0]) for out in outs]
+            token_ids = [out.prompt_token_ids for out in outs]
+        else:
+            distinct = list(dict.fromkeys(t for pair in pairs for t in pair))
+            by_text = dict(zip(distinct, self.encode(distinct, pooling_task="embed", **kw)))
+            scores = [cosine(by_text[a].outputs.data, by_text[b].outputs.data) for a, b in pairs]
+            token_ids = [by_text[a].prompt_token_ids + by_text[b].prompt_token_ids for a, b in pairs]
         return [
-            PoolingRequestOutput(
-                request_id=str(i),
-                outputs=ScoringOutput(cosine(by_text[a].outputs.data, by_text[b].outputs.data)),
-                prompt_token_ids=by_text[a].prompt_token_ids + by_text[b].prompt_token_ids,
-                finished=True,
-            )
-            for i, (a, b) in enumerate(zip(first, second))
+            PoolingRequestOutput(str(i), ScoringOutput(score), ids, finished=True)
+            for i, (score, ids) in enumerate(zip(scores, token_ids))
         ]
 
     def _run(self, prompts: list, params: list, use_tqdm: bool, priority, lora_request) -> list:

@@ -93,6 +93,17 @@ class EmbeddingOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    """What LLM.classify returns per prompt (vLLM's): the probability of each class."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
 class ScoringOutput:
     """What LLM.score returns per pair (vLLM's): how similar the two texts are."""
 
@@ -102,10 +113,11 @@ class ScoringOutput:
 @dataclass
 class PoolingRequestOutput:
     """vLLM's PoolingRequestOutput: one pooling request's result (`outputs`: a PoolingOutput, an
-    EmbeddingOutput from LLM.embed, a ScoringOutput from LLM.score)."""
+    EmbeddingOutput from LLM.embed, a ClassificationOutput from LLM.classify, a ScoringOutput from
+    LLM.score)."""
 
     request_id: str
-    outputs: PoolingOutput | EmbeddingOutput | ScoringOutput
+    outputs: PoolingOutput | EmbeddingOutput | ClassificationOutput | ScoringOutput
     prompt_token_ids: list[int]
     finished: bool
     prompt: str | None = None
@@ -117,6 +129,10 @@ class PoolingRequestOutput:
         data = self.outputs.data if isinstance(self.outputs, PoolingOutput) else self.outputs.embedding
         return dataclasses.replace(self, outputs=EmbeddingOutput(np.asarray(data).tolist()))
 
+    def as_classification(self) -> PoolingRequestOutput:
+        """The same result with its probabilities as a ClassificationOutput."""
+        return dataclasses.replace(self, outputs=ClassificationOutput(np.asarray(self.outputs.data).tolist()))
 
-# vLLM's names for LLM.embed's and LLM.score's outputs
-EmbeddingRequestOutput = ScoringRequestOutput = PoolingRequestOutput
+
+# vLLM's names for LLM.embed's, LLM.classify's and LLM.score's outputs
+EmbeddingRequestOutput = ClassificationRequestOutput = ScoringRequestOutput = PoolingRequestOutput

@@ -26,31 +26,61 @@ _ST_POOLING = {
     "pooling_mode_mean_tokens": "MEAN",
     "pooling_mode_cls_token": "CLS",
 }
-_FLAG_KEYS = ("pooling_type", "normalize", "dimensions")
+# --pooler-config keys each pooling task takes (activation: vLLM's use_activation and its older
+# spellings, softmax / sigmoid applied to a classifier's logits)
+_FLAG_KEYS = {
+    "embed": ("pooling_type", "normalize", "dimensions"),
+    "classify": ("pooling_type", "activation", "use_activation", "softmax"),
+}
+# --task values that ask for a pooling model, and what it pools for
+_TASKS = {"embed": "embed", "embedding": "embed", "classify": "classify", "score": "classify"}
 
 
 def runner_and_pooler(args, path: str, hf_config: Mapping) -> tuple[str, PoolerConfig | None]:
     """("generate", None) or ("pooling", the resolved PoolerConfig); ValueError naming the flag."""
     runner, convert = args.runner, args.convert
-    if args.task in ("embed", "embedding"):
-        if runner == "generate" or convert not in ("auto", "embed"):
-            raise ValueError(f"--task {args.task} asks for --runner pooling --convert embed.")
-        runner = "pooling"
+    classifier = is_classifier_architecture(hf_config)
+    if args.task in _TASKS:
+        wanted = _TASKS[args.task]
+        if runner == "generate" or convert not in ("auto", wanted):
+            raise ValueError(f"--task {args.task} asks for --runner pooling --convert {wanted}.")
+        runner, convert = "pooling", wanted
     st_modules = _st_modules(path)
-    if runner == "auto" and convert == "embed":
-        runner = "pooling"
     if runner == "auto":
-        runner = "pooling" if st_modules is not None or is_base_architecture(hf_config) else "generate"
+        pooling = (convert in _FLAG_KEYS or st_modules is not None or classifier
+                   or is_base_architecture(hf_config))  # fmt: skip
+        runner = "pooling" if pooling else "generate"
     if runner == "generate":
         if convert not in ("auto", "none"):
             raise ValueError(f"--convert {convert} needs --runner pooling.")
         if args.pooler_config or args.override_pooler_config:
             raise ValueError("--pooler-config needs a pooling model (--runner pooling); this one generates.")
         return "generate", None
-    if convert == "none" and not is_base_architecture(hf_config):
+    task = "classify" if classifier else "embed"
+    if convert == "none" and not (classifier or is_base_architecture(hf_config)):
         raise ValueError("--runner pooling --convert none needs a pooling architecture (a base model's, "
                          "e.g. Qwen3Model); --convert embed serves a generative one for embeddings.")  # fmt: skip
-    return "pooling", _pooler_config(args, path, hf_config, st_modules)
+    if convert not in ("auto", "none", task):
+        raise ValueError(
+            f"--convert {convert} of a {hf_config.get('architectures', ['?'])[0]} checkpoint is not supported "
+            f"by jaxserve: it serves {task} (classify needs a *ForSequenceClassification checkpoint's score head)."
+        )
+    return "pooling", _pooler_config(args, path, hf_config, st_modules, task)
+
+
+def is_classifier_architecture(hf_config: Mapping) -> bool:
+    """A sequence classifier (Qwen3ForSequenceClassification): the final hidden state through its
+    score head."""
+    archs = hf_config.get("architectures") or []
+    return bool(archs) and archs[0].endswith("ForSequenceClassification")
+
+
+def classifier_labels(hf_config: Mapping) -> tuple[str, ...]:
+    """The classes in index order: config.json's id2label, else LABEL_0.. for num_labels."""
+    id2label = hf_config.get("id2label")
+    if id2label:
+        return tuple(str(id2label[k]) for k in sorted(id2label, key=int))
+    return tuple(f"LABEL_{i}" for i in range(int(hf_config.get("num_labels", 2))))
 
 
 def is_base_architecture(hf_config: Mapping) -> bool:
@@ -69,8 +99,12 @@ def _st_modules(path: str) -> list[dict] | None:
         return json.load(f)
 
 
-def _pooler_config(args, path: str, hf_config: Mapping, st_modules: list[dict] | None) -> PoolerConfig:
-    fields: dict = {}
+def _pooler_config(
+    args, path: str, hf_config: Mapping, st_modules: list[dict] | None, task: str
+) -> PoolerConfig:
+    fields: dict = {"task": task}
+    if task == "classify":
+        fields.update(normalize=False, labels=classifier_labels(hf_config))
     for module in st_modules or ():
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         if kind not in _ST_MODULES:
@@ -86,11 +120,15 @@ def _pooler_config(args, path: str, hf_config: Mapping, st_modules: list[dict] |
         fields["normalize"] = any(str(m.get("type", "")).endswith("Normalize") for m in st_modules)
     flag = {**as_dict(args.override_pooler_config, "override_pooler_config"),
             **as_dict(args.pooler_config, "pooler_config")}  # fmt: skip
-    unknown = sorted(set(flag) - set(_FLAG_KEYS))
+    unknown = sorted(set(flag) - set(_FLAG_KEYS[task]))
     if unknown:
         raise ValueError(
-            f"--pooler-config keys {unknown} are not supported by jaxserve; supported: {list(_FLAG_KEYS)}."
+            f"--pooler-config keys {unknown} are not supported by jaxserve when the model serves {task}; "
+            f"supported: {list(_FLAG_KEYS[task])}."
         )
+    for alias in ("use_activation", "softmax"):
+        if alias in flag:
+            flag["activation"] = flag.pop(alias)
     fields.update(flag)
     if str(fields.get("pooling_type", "LAST")).upper() not in POOLING_TYPES:
         raise ValueError(

@@ -4,7 +4,8 @@ A pooling request (an embedding) is run as a prompt and nothing else: the step h
 each row it fed, the sum of the row's final hidden states and those at its first and last token
 (runner/step.py, the pool kind); the Scheduler adds a prompt's chunks up on the request
 (`PooledSums`), and when the last chunk is back the engine turns them into the request's vector
-here: the pooler's reduction (LAST, MEAN, CLS), then `dimensions` (Matryoshka) and `normalize`.
+here: the pooler's reduction (LAST, MEAN, CLS), then `dimensions` (Matryoshka) and `normalize`
+for an embedding, or a classifier's activation over its score head's logits.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import numpy as np
 
 # --pooler-config pooling types jaxserve computes (vLLM's names).
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
-# Pooling tasks a request may name (vLLM's): what an embedding model serves.
-POOLING_TASKS = ("embed", "encode")
+# Pooling tasks a request may name (vLLM's): an embedding model serves embed, a classifier classify;
+# both serve encode (the pooled output as it is) and score (pairs of texts compared).
+POOLING_TASKS = ("embed", "classify", "encode", "score")
 
 
 @dataclass
@@ -30,7 +32,10 @@ class PoolingParams:
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
-    task: str | None = None  # "embed" or "encode"; None: the caller's (LLM.embed, the endpoint)
+    # a classifier's probabilities (softmax; sigmoid for one label) rather than its logits (None:
+    # the model's pooler decides); vLLM's use_activation
+    use_activation: bool | None = None
+    task: str | None = None  # one of POOLING_TASKS; None: whatever the model serves
 
     def clone(self, **changes) -> PoolingParams:
         return dataclasses.replace(self, **changes)
@@ -74,3 +79,51 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     """The cosine similarity of two vectors (what scoring and reranking with an embedding model give)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(a @ b / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-12))
+
+
+def finish_classification(logits: np.ndarray, activation: bool) -> np.ndarray:
+    """A classifier's logits as probabilities (softmax; sigmoid for a single label, a
+    cross-encoder's score), or as they are."""
+    logits = np.asarray(logits, np.float64)
+    if not activation:
+        return logits.astype(np.float32)
+    if logits.shape[-1] == 1:
+        return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+    e = np.exp(logits - logits.max())
+    return (e / e.sum()).astype(np.float32)
+
+
+def score_pairs(first: str | list[str], second: str | list[str]) -> list[tuple[str, str]]:
+    """The (first, second) texts scored: one text against each of several, or two lists pairwise;
+    ValueError (naming vLLM's text_1 / text_2) otherwise."""
+    first = [first] if isinstance(first, str) else list(first)
+    second = [second] if isinstance(second, str) else list(second)
+    if not first or not second:
+        raise ValueError("text_1 and text_2 must not be empty.")
+    if len(first) == 1:
+        first = first * len(second)
+    if len(first) != len(second):
+        raise ValueError(
+            f"text_1 holds {len(first)} texts and text_2 {len(second)}: give one text_1, or as many as text_2."
+        )
+    return list(zip(first, second))
+
+
+def is_cross_encoder(pooler) -> bool:
+    """A pooling model scores pairs by reading them together: a classifier (config.PoolerConfig
+    task classify), which must have a single label (its sigmoid is the score). An embedding model
+    compares the two texts' embeddings instead."""
+    if pooler is None or pooler.task != "classify":
+        return False
+    if len(pooler.labels) != 1:
+        raise ValueError(
+            f"Scoring pairs with a classifier needs a cross-encoder (one label); this one has {len(pooler.labels)}."
+        )
+    return True
+
+
+def pair_prompt(tokenizer, first: str, second: str) -> dict:
+    """Two texts as one prompt, as the tokenizer joins a pair (BERT: [CLS] a [SEP] b [SEP])."""
+    if tokenizer is None:
+        raise ValueError("Scoring text pairs needs a tokenizer (skip_tokenizer_init is set).")
+    return {"prompt": None, "prompt_token_ids": list(tokenizer(first, second)["input_ids"])}

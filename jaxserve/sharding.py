@@ -30,6 +30,7 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "experts": None,  # the experts of an MoE layer
     "expert_mlp": "model",  # each expert's intermediate axis
     "norm": None,
+    "labels": None,  # a classifier's classes
     "kv_pages": None,
     "kv_page_slots": None,
     "kv_combined_heads": "model",  # the interleaved (k, v) head axis of the KV pool

@@ -272,3 +272,11 @@ def assert_vectors_close(got, want) -> None:
     cosine = got @ want / (np.linalg.norm(got) * np.linalg.norm(want))
     assert cosine > 0.99999, cosine
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def classifier_logits(model, ids: list[int]) -> np.ndarray:
+    """transformers' sequence-classifier logits of one prompt (its last token's score), float64."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double().numpy()

@@ -85,6 +85,12 @@ def test_the_flag_overrides_the_folder_and_the_older_spelling(checkpoint, tmp_pa
         (None, {"pooler_config": {"pooling_type": "MEAN"}}, "--pooler-config needs a pooling model"),
         (None, {"task": "embed", "runner": "generate"}, "--task embed asks for --runner pooling"),
         (None, {"runner": "pooling", "convert": "none"}, "needs a pooling architecture"),
+        (None, {"convert": "classify"}, "classify needs a \\*ForSequenceClassification checkpoint"),
+        (
+            None,
+            {"task": "score", "convert": "embed"},
+            "--task score asks for --runner pooling --convert classify",
+        ),
         (
             None,
             {"runner": "pooling", "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},

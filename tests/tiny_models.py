@@ -173,6 +173,25 @@ def make_checkpoint(path, config_cls: str, model_cls: str, overrides: dict, dtyp
     return model
 
 
+def make_classifier(path, model_cls: str, labels: list[str], seed: int = 3):
+    """A tiny random *ForSequenceClassification (score head over the last token): the torch model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config_cls = model_cls.replace("ForSequenceClassification", "Config")
+    extra = {"head_dim": 24} if model_cls.startswith("Qwen3") else {}
+    config = getattr(transformers, config_cls)(
+        **{**TINY_LLAMA, **extra}, num_labels=len(labels), id2label=dict(enumerate(labels))
+    )
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 0.5)  # logits with real spread
+    model.save_pretrained(path)
+    make_tokenizer(config.vocab_size).save_pretrained(path)
+    return model
+
+
 # For subprocesses only (the test process itself runs without a persistent cache, see
 # conftest.py): engines started with the same tiny model and shapes compile once per run.
 TEST_XLA_CACHE = os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache")

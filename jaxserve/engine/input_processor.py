@@ -280,6 +280,20 @@ def _resolved_pooling(params: PoolingParams, mc) -> PoolingParams:
     words) for dimensions the model was not trained to cut to or a truncation past its length."""
     pooler = mc.pooler_config
     name = mc.served_model_name[0] if mc.served_model_name else mc.model
+    other = {"embed": "classify", "classify": "embed"}[pooler.task]
+    if params.task == other:
+        raise ValueError(
+            "This model is served for classification; embeddings need an embedding model."
+            if other == "embed"
+            else "This model is served for embeddings; classification needs a *ForSequenceClassification model."
+        )
+    if pooler.task == "classify":
+        if params.dimensions is not None or params.normalize is not None:
+            raise ValueError(
+                "dimensions and normalize apply to embeddings; this model is served for classification."
+            )
+        activation = pooler.activation if params.use_activation is None else params.use_activation
+        return params.clone(use_activation=activation, truncate_prompt_tokens=_truncation(params, mc))
     dims = params.dimensions if params.dimensions is not None else pooler.dimensions
     if dims is not None:
         if not pooler.is_matryoshka:
@@ -294,16 +308,22 @@ def _resolved_pooling(params: PoolingParams, mc) -> PoolingParams:
                 f'Model "{name}" only supports {list(pooler.matryoshka_dimensions)} matryoshka dimensions, '
                 "use other output dimensions will lead to poor results."
             )
-    truncate = params.truncate_prompt_tokens
-    if truncate is not None:
-        if truncate == -1:
-            truncate = mc.max_model_len
-        elif truncate < 1:
-            raise ValueError(f"truncate_prompt_tokens must be -1 or positive, got {truncate}.")
-        elif truncate > mc.max_model_len:
-            raise ValueError(
-                f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len "
-                f"({mc.max_model_len}). Please, select a smaller truncation size."
-            )
     normalize = pooler.normalize if params.normalize is None else params.normalize
-    return params.clone(dimensions=dims, normalize=normalize, truncate_prompt_tokens=truncate)
+    return params.clone(dimensions=dims, normalize=normalize, truncate_prompt_tokens=_truncation(params, mc))
+
+
+def _truncation(params: PoolingParams, mc) -> int | None:
+    """truncate_prompt_tokens resolved (-1: the model's length); ValueError past that length."""
+    truncate = params.truncate_prompt_tokens
+    if truncate is None:
+        return None
+    if truncate == -1:
+        return mc.max_model_len
+    if truncate < 1:
+        raise ValueError(f"truncate_prompt_tokens must be -1 or positive, got {truncate}.")
+    if truncate > mc.max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len "
+            f"({mc.max_model_len}). Please, select a smaller truncation size."
+        )
+    return truncate

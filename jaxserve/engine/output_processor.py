@@ -20,7 +20,7 @@ from jaxserve.engine.parent_request import ParentRequest
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.stats import FinishedRequestStats, IterationStats
 from jaxserve.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput
-from jaxserve.pooling_params import finish_embedding
+from jaxserve.pooling_params import finish_classification, finish_embedding
 from jaxserve.scheduler_output import TopLogprobs
 
 
@@ -177,13 +177,16 @@ class OutputProcessor:
 
     def _pooled(self, parent: ParentRequest) -> PoolingRequestOutput:
         """A pooling request's vector: the pooler's reduction of its prompt, cut to its dimensions
-        and normalized as resolved (empty if it failed)."""
+        and normalized as resolved, or a classifier's probabilities (empty if it failed)."""
         req = parent.children[0]
         data = np.zeros(0, np.float32)
         if req.status == RequestStatus.FINISHED_STOPPED:
-            vector = req.pooled.vector(self.pooler_config.pooling_type, req.num_prompt_tokens)
-            params = req.pooling_params
-            data = finish_embedding(vector, params.dimensions, params.normalize)
+            pooler, params = self.pooler_config, req.pooling_params
+            vector = req.pooled.vector(pooler.pooling_type, req.num_prompt_tokens)
+            if pooler.task == "classify":
+                data = finish_classification(vector, params.use_activation)
+            else:
+                data = finish_embedding(vector, params.dimensions, params.normalize)
         return PoolingRequestOutput(
             request_id=parent.request_id,
             outputs=PoolingOutput(data),

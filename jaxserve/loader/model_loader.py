@@ -47,6 +47,8 @@ def build_model_args(
         args = dataclasses.replace(args, lora=lora)
     if model_config.runner_type == "pooling":  # pooling reads the final hidden states: no LM head
         args = dataclasses.replace(args, tie_word_embeddings=True)
+        if model_config.pooler_config.task == "classify":  # a score head over them instead
+            args = dataclasses.replace(args, num_labels=len(model_config.pooler_config.labels))
     formats = checkpoint_kernel_formats(model_config, args)
     if formats:  # projections served in the checkpoint's own quantized values
         formats = {hf.split(".")[-1]: fmt for hf, fmt in formats.items()}

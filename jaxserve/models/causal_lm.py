@@ -45,6 +45,12 @@ class CausalLM(nnx.Module):
         the head reads, and what a pooling model pools (transformers' last_hidden_state)."""
         raise NotImplementedError
 
+    def pooler_head(self, x: jax.Array) -> jax.Array:
+        """A pooling model's pooled rows [rows, hidden] float32 through its head: a classifier's score
+        projection ([rows, num_labels]; linear and without bias, so it applies to sums of rows as
+        to rows), nothing for an embedding model."""
+        return x
+
     def compute_logits(self, x: jax.Array) -> jax.Array:
         """[rows, vocab] float32 logits of hidden states [rows, hidden] (hidden_states' rows)."""
         raise NotImplementedError

@@ -88,6 +88,7 @@ class LlamaArgs:
     kernel_formats: tuple[tuple[str, str], ...] = ()
     # LoRA: the adapters' device slots (their count, rank, biases, sharding); None: no LoRA
     lora: LoRAConfig | None = None
+    num_labels: int = 0  # a sequence classifier's classes: its score head's outputs (0: none)
 
     @classmethod
     def from_hf(cls, hf: Mapping, max_model_len: int) -> LlamaArgs:
@@ -218,6 +219,8 @@ class LlamaForCausalLM(CausalLM):
         self.norm = _param(rngs, (a.hidden_size,), ("norm",), dtype, "ones")
         if not a.tie_word_embeddings:
             self.lm_head = _param(rngs, (a.hidden_size, a.vocab_size), ("embed", "vocab"), dtype)
+        if a.num_labels:
+            self.score = _param(rngs, (a.hidden_size, a.num_labels), ("embed", "labels"), dtype)
 
     def hidden_states(
         self,
@@ -302,6 +305,11 @@ class LlamaForCausalLM(CausalLM):
         a = self.args
         return rms_norm(x, self.norm.value, a.rms_norm_eps, a.norm_offset)
 
+    def pooler_head(self, x: jax.Array) -> jax.Array:
+        if not self.args.num_labels:
+            return x
+        return jnp.dot(x, self.score.value.astype(x.dtype), preferred_element_type=jnp.float32)
+
     def compute_logits(self, x: jax.Array) -> jax.Array:
         """[rows, vocab] float32 logits of hidden states [rows, hidden] (hidden_states' rows)."""
         a = self.args
@@ -325,6 +333,8 @@ class LlamaForCausalLM(CausalLM):
         }
         if not args.tie_word_embeddings:
             table["lm_head.weight"] = ("lm_head", None, True)
+        if args.num_labels:
+            table["score.weight"] = ("score", None, True)
         per_layer = {"input_layernorm.weight": ("input_norm", False)}
         if args.sandwich_norms:  # Gemma 2/3 name their norms after where they sit
             per_layer["post_attention_layernorm.weight"] = ("attn_out_norm", False)

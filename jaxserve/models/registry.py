@@ -53,6 +53,12 @@ _REGISTRY |= {
     if name.endswith("ForCausalLM") and entry.model_cls is LlamaForCausalLM
 }
 _REGISTRY["Gemma3TextModel"] = _REGISTRY.pop("Gemma3Model")  # (transformers' name for the text-only one)
+# Sequence classifiers: the family's layers, then a score head (no LM head) over the last token.
+_REGISTRY |= {
+    name.replace("ForCausalLM", "ForSequenceClassification"): entry
+    for name, entry in list(_REGISTRY.items())
+    if name.endswith("ForCausalLM") and entry.model_cls is LlamaForCausalLM
+}
 
 
 def supported_architectures() -> list[str]:

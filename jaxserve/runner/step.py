@@ -233,8 +233,9 @@ def pool(
 ) -> tuple[jax.Array, jax.Array]:
     """A pooling model's step: the layers over the batch (each prompt chunk's KV written for the
     chunks after it), then per row the sum of its tokens' final hidden states and those at its
-    first and last token, float32 ([seq bucket, 3, hidden]): all the host needs to finish a LAST,
-    MEAN or CLS pooling over chunks of any size (jaxserve/pooling_params.py PooledSums)."""
+    first and last token, float32 ([seq bucket, 3, hidden]), through the model's pooler head (a
+    classifier's: [seq bucket, 3, num_labels]): all the host needs to finish a LAST, MEAN or CLS
+    pooling over chunks of any size (jaxserve/pooling_params.py PooledSums)."""
     inputs = unpacked(inputs)
     model = nnx.merge(graphdef, state)
     lora = {} if inputs.lora_slots is None else {"lora_slots": inputs.lora_slots}
@@ -246,7 +247,8 @@ def pool(
     total = jnp.zeros((num_seqs, hidden.shape[1]), jnp.float32).at[row_of].add(hidden, mode="drop")
     first = hidden[jnp.minimum(cu[:-1], n - 1)]
     last = hidden[jnp.maximum(cu[1:] - 1, 0)]
-    return kv_pool, jnp.stack([total, first, last], axis=1)
+    rows = model.pooler_head(jnp.concatenate([total, first, last]))  # a classifier's logits
+    return kv_pool, jnp.stack(jnp.split(rows, 3), axis=1)
 
 
 def step(

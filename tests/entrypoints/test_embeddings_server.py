@@ -12,8 +12,8 @@ import openai
 import pytest
 from aiohttp import ClientSession
 from aiohttp.test_utils import TestServer
-from reference_checks import assert_vectors_close, pooled_reference
-from tiny_models import engine_kwargs, make_family_checkpoint
+from reference_checks import assert_vectors_close, classifier_logits, pooled_reference
+from tiny_models import engine_kwargs, make_classifier, make_family_checkpoint
 
 from jaxserve.args import EngineArgs
 from jaxserve.engine.async_engine import AsyncLLMEngine
@@ -40,18 +40,22 @@ def embedder(tmp_path_factory):
     return LLMEngine.from_engine_args(args), base
 
 
-@pytest.fixture
-async def base_url(embedder):
-    engine, _ = embedder
+async def serve(engine: LLMEngine) -> TestServer:
     server = TestServer(
         build_app(AsyncLLMEngine(engine), ServerArgs(disable_log_stats=True)),
         host="127.0.0.1",
         **HANDLER_SETTINGS,
     )
     await server.start_server()
+    return server
+
+
+@pytest.fixture
+async def base_url(embedder):
+    server = await serve(embedder[0])
     yield str(server.make_url("/"))
     await server.close()
-    assert not engine.has_unfinished_requests()
+    assert not embedder[0].has_unfinished_requests()
 
 
 def expected(embedder, ids, dims=None, normalize=True):
@@ -177,3 +181,59 @@ async def test_score_and_rerank_rank_by_cosine_similarity(base_url, embedder):
         assert [r["index"] for r in body["results"]] == ranked and "document" not in body["results"][0]
         status, body = await post("rerank", {"query": TEXTS[1], "documents": []})
         assert status == 400 and body["error"]["param"] == "documents"
+
+
+@pytest.fixture
+async def classifier_url(tmp_path):
+    """A server over a tiny three-label classifier: (its url, the torch model, the engine)."""
+    model = make_classifier(tmp_path, "Qwen3ForSequenceClassification", ["neg", "neutral", "pos"])
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tmp_path), **engine_kwargs()))
+    server = await serve(engine)
+    yield str(server.make_url("/")), model, engine
+    await server.close()
+
+
+async def test_classify_probabilities_and_labels(classifier_url):
+    url, model, engine = classifier_url
+    tok = engine.tokenizer
+    async with ClientSession() as http:
+        async with http.post(url + "classify", json={"input": TEXTS}) as r:
+            assert r.status == 200
+            body = await r.json()
+        assert body["id"].startswith("classify-") and body["usage"]["prompt_tokens"] == sum(
+            len(tok.encode(t)) for t in TEXTS
+        )
+        for text, item in zip(TEXTS, body["data"]):
+            logits = classifier_logits(model, tok.encode(text))
+            probs = np.exp(logits) / np.exp(logits).sum()
+            np.testing.assert_allclose(item["probs"], probs, rtol=1e-4, atol=1e-6)
+            assert (
+                item["num_classes"] == 3 and item["label"] == ["neg", "neutral", "pos"][int(np.argmax(probs))]
+            )
+        for path, request, message in [
+            ("v1/embeddings", {"input": TEXTS[0]}, "served for classification"),
+            ("classify", {"input": TEXTS[0], "dimensions": 4}, "apply to embeddings"),
+            ("score", {"text_1": TEXTS[0], "text_2": TEXTS[1]}, "needs a cross-encoder"),
+        ]:
+            async with http.post(url + path, json=request) as r:
+                assert r.status == 400 and message in (await r.json())["error"]["message"]
+
+
+async def test_a_cross_encoder_scores_and_reranks_pairs_read_together(tmp_path):
+    model = make_classifier(tmp_path, "LlamaForSequenceClassification", ["relevant"])
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tmp_path), **engine_kwargs()))
+    server = await serve(engine)
+    tok = engine.tokenizer
+    want = [
+        float(1 / (1 + np.exp(-classifier_logits(model, tok(TEXTS[0], t)["input_ids"])[0]))) for t in TEXTS
+    ]
+    async with ClientSession() as http:
+        async with http.post(str(server.make_url("/score")), json={"text_1": TEXTS[0], "text_2": TEXTS}) as r:
+            body = await r.json()
+        np.testing.assert_allclose([d["score"] for d in body["data"]], want, atol=1e-6)
+        async with http.post(
+            str(server.make_url("/v2/rerank")), json={"query": TEXTS[0], "documents": TEXTS}
+        ) as r:
+            body = await r.json()
+        assert [x["index"] for x in body["results"]] == sorted(range(3), key=lambda i: -want[i])
+    await server.close()

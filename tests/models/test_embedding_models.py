@@ -11,8 +11,8 @@ import pathlib
 import numpy as np
 import pytest
 import torch
-from reference_checks import assert_vectors_close, pooled_reference
-from tiny_models import TINY_LLAMA, engine_kwargs, make_family_checkpoint, make_tokenizer
+from reference_checks import assert_vectors_close, classifier_logits, pooled_reference
+from tiny_models import TINY_LLAMA, engine_kwargs, make_classifier, make_family_checkpoint, make_tokenizer
 
 from jaxserve import LLM
 from jaxserve.pooling_params import PoolingParams
@@ -183,3 +183,46 @@ def test_dimensions_need_a_matryoshka_model(qwen3):
     llm = LLM(path, task="embed", **engine_kwargs())
     with pytest.raises(ValueError, match="does not support matryoshka representation"):
         llm.embed(PROMPTS[0], PoolingParams(dimensions=16), use_tqdm=False)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_classifier_probabilities_match_transformers(tmp_path, chunked):
+    """A Qwen3ForSequenceClassification of three labels: served for classification with no flag,
+    its probabilities are the softmax of transformers' logits (also with the prompt in chunks:
+    the score head is linear, so it applies to the step's rows as to the last hidden state)."""
+    model = make_classifier(tmp_path, "Qwen3ForSequenceClassification", ["neg", "neutral", "pos"])
+    kw = engine_kwargs(max_num_batched_tokens=16) if chunked else engine_kwargs()
+    llm = LLM(str(tmp_path), **kw)
+    assert llm.llm_engine.config.model_config.pooler_config.labels == ("neg", "neutral", "pos")
+    tok = llm.get_tokenizer()
+    outs = llm.classify(PROMPTS, use_tqdm=False)
+    logits = llm.encode(PROMPTS, PoolingParams(use_activation=False), use_tqdm=False)
+    for prompt, out, raw in zip(PROMPTS, outs, logits):
+        want = classifier_logits(model, tok.encode(prompt))
+        assert out.outputs.num_classes == 3
+        np.testing.assert_allclose(raw.outputs.data, want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(out.outputs.probs, np.exp(want) / np.exp(want).sum(), rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="served for classification; embeddings need an embedding model"):
+        llm.embed(PROMPTS[0], use_tqdm=False)
+    with pytest.raises(ValueError, match="dimensions and normalize apply to embeddings"):
+        llm.classify(PROMPTS[0], PoolingParams(dimensions=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="needs a cross-encoder \\(one label\\); this one has 3"):
+        llm.score(PROMPTS[0], PROMPTS[1])
+
+
+def test_cross_encoder_scores_pairs_read_together(tmp_path, qwen3):
+    """A LlamaForSequenceClassification of one label scores a pair as the sigmoid of its logit over
+    the two texts joined as the tokenizer joins a pair; an embedding model refuses to classify."""
+    model = make_classifier(tmp_path, "LlamaForSequenceClassification", ["relevant"])
+    llm = LLM(str(tmp_path), task="score", **engine_kwargs())
+    tok = llm.get_tokenizer()
+    outs = llm.score(PROMPTS[0], PROMPTS, use_tqdm=False)
+    for doc, out in zip(PROMPTS, outs):
+        ids = tok(PROMPTS[0], doc)["input_ids"]
+        assert out.prompt_token_ids == ids
+        assert out.outputs.score == pytest.approx(
+            1 / (1 + np.exp(-classifier_logits(model, ids)[0])), abs=1e-6
+        )
+    embedder = LLM(qwen3[0], runner="pooling", **engine_kwargs())
+    with pytest.raises(ValueError, match="served for embeddings; classification needs"):
+        embedder.classify(PROMPTS[0], use_tqdm=False)

@@ -22,9 +22,10 @@ GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, out
 
 def test_every_variant_once_the_plain_one_first():
     variants = StepVariant.all()
-    assert len(variants) == len(set(variants)) == 32  # two kinds, four options
+    assert len(variants) == len(set(variants)) == 33  # two sampling kinds, four options; the pool kind
     assert variants[0] == StepVariant()
-    assert {v.kind for v in variants} == {"generate", "verify"}
+    assert {v.kind for v in variants} == {"generate", "verify", "pool"}
+    assert [v for v in variants if v.kind == "pool"] == [StepVariant(kind="pool")]  # it takes no options
     assert (
         StepVariant(with_processor_state=True, with_top_logprobs=True, with_prompt_logprobs=True) in variants
     )

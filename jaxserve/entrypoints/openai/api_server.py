@@ -33,7 +33,11 @@ from jaxserve.entrypoints.openai.http_middleware import (
 )
 from jaxserve.entrypoints.openai.json_body import read_json_object
 from jaxserve.entrypoints.openai.openapi import openapi_document
-from jaxserve.entrypoints.openai.pooling_protocol import EmbeddingRequest, PoolingRequest
+from jaxserve.entrypoints.openai.pooling_protocol import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+)
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -120,6 +124,7 @@ class _Routes:
         r.add_get(prefix + "/v1/responses/{response_id}", self.retrieve_response)
         r.add_post(prefix + "/v1/embeddings", self.embeddings)
         r.add_post(prefix + "/pooling", self.pooled)
+        r.add_post(prefix + "/classify", self.classify)
         r.add_post(prefix + "/score", self.score)
         r.add_post(prefix + "/v1/score", self.score)
         for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
@@ -242,6 +247,9 @@ class _Routes:
 
     async def pooled(self, request: web.Request) -> web.Response:
         return await self.pooling.create(await _parse(request, PoolingRequest), request, "pooling")
+
+    async def classify(self, request: web.Request) -> web.Response:
+        return await self.pooling.classify(await _parse(request, ClassificationRequest), request)
 
     async def score(self, request: web.Request) -> web.Response:
         return await self.pooling.score(await _parse(request, ScoreRequest), request)

@@ -12,7 +12,11 @@ from http import HTTPStatus
 from pydantic import BaseModel
 
 from jaxserve import __version__
-from jaxserve.entrypoints.openai.pooling_protocol import EmbeddingRequest, PoolingRequest
+from jaxserve.entrypoints.openai.pooling_protocol import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+)
 from jaxserve.entrypoints.openai.protocol import (
     ERROR_RESPONSE_SCHEMA,
     ChatCompletionRequest,
@@ -91,6 +95,13 @@ def openapi_document(root_path: str | None = None) -> dict:
             "post": {
                 "summary": "Pooling",
                 **body(PoolingRequest),
+                **_answers("application/json", errors=client_errors),
+            }
+        },
+        "/classify": {
+            "post": {
+                "summary": "Classify",
+                **body(ClassificationRequest),
                 **_answers("application/json", errors=client_errors),
             }
         },

@@ -78,3 +78,12 @@ def encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode("ascii")
     return np.asarray(vector, np.float32).tolist()
+
+
+class ClassificationRequest(EmbeddingRequest):
+    """vLLM's /classify: the same inputs; each answer carries the class probabilities."""
+
+    def to_pooling_params(self, task: str) -> PoolingParams:
+        if self.dimensions is not None or self.normalize is not None:
+            raise bad_request("dimensions and normalize apply to embeddings, not to /classify.", "dimensions")
+        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens, task=task)

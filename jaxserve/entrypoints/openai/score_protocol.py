@@ -7,6 +7,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from jaxserve.entrypoints.openai.protocol import MAX_PROMPTS_PER_REQUEST, OpenAIBaseModel, bad_request
+from jaxserve.pooling_params import score_pairs
 
 
 class ScoreRequest(OpenAIBaseModel):
@@ -19,21 +20,13 @@ class ScoreRequest(OpenAIBaseModel):
 
     def pairs(self) -> list[tuple[str, str]]:
         """(text_1, text_2) of each score: one text against one or many, or two lists pairwise."""
-        first = [self.text_1] if isinstance(self.text_1, str) else self.text_1
-        second = [self.text_2] if isinstance(self.text_2, str) else self.text_2
-        if not first or not second:
-            raise bad_request("text_1 and text_2 must not be empty.", "text_1" if not first else "text_2")
-        if len(first) == 1:
-            first = first * len(second)
-        if len(first) != len(second):
-            raise bad_request(
-                f"text_1 holds {len(first)} texts and text_2 {len(second)}: give one text_1, or as many "
-                "as text_2.",
-                "text_2",
-            )
-        if len(second) > MAX_PROMPTS_PER_REQUEST:
+        try:
+            pairs = score_pairs(self.text_1, self.text_2)
+        except ValueError as e:
+            raise bad_request(str(e), "text_2") from None
+        if len(pairs) > MAX_PROMPTS_PER_REQUEST:
             raise bad_request(f"One request may score at most {MAX_PROMPTS_PER_REQUEST} pairs.", "text_2")
-        return list(zip(first, second))
+        return pairs
 
 
 class RerankRequest(OpenAIBaseModel):

@@ -1,5 +1,6 @@
 """POST /v1/embeddings and POST /pooling: each input's pooled vector from a pooling model; POST
-/score and /rerank (also /v1/rerank, /v2/rerank): similarities of texts' embeddings.
+/classify: a classifier's probabilities; POST /score and /rerank (also /v1/rerank, /v2/rerank):
+pairs of texts scored by a cross-encoder, or by the cosine similarity of their embeddings.
 
 Where it sits: like serving_completion.py, between the validated body (pooling_protocol.py) and
 the AsyncLLMEngine; every input is checked before any is queued (generate_all). A model served for
@@ -10,15 +11,16 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 from aiohttp import web
 
 from jaxserve.engine.tracing import trace_headers
-from jaxserve.entrypoints.openai.pooling_protocol import EmbeddingRequest, encoded
+from jaxserve.entrypoints.openai.pooling_protocol import ClassificationRequest, EmbeddingRequest, encoded
 from jaxserve.entrypoints.openai.protocol import TokenizeChatRequest, now
 from jaxserve.entrypoints.openai.score_protocol import RerankRequest, ScoreRequest
 from jaxserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt
 from jaxserve.outputs import PoolingRequestOutput
-from jaxserve.pooling_params import PoolingParams, cosine
+from jaxserve.pooling_params import PoolingParams, cosine, is_cross_encoder, pair_prompt
 
 # endpoint kind -> (request id prefix, each item's "object", the field holding its vector, task)
 KINDS = {
@@ -41,50 +43,72 @@ class OpenAIServingPooling(OpenAIServing):
         ]
         return web.json_response(self._answer(request_id, model, {"data": data}, finals))
 
-    async def score(self, body: ScoreRequest, raw: web.Request) -> web.Response:
-        """vLLM's /score over an embedding model: the cosine similarity of each pair's embeddings."""
+    async def classify(self, body: ClassificationRequest, raw: web.Request) -> web.Response:
+        """vLLM's /classify: each input's class probabilities and most likely label."""
         model = self.model_name(body.model)
-        pairs = body.pairs()
-        request_id = self.request_id(raw, body, "score")
-        vectors, finals = await self._embed_texts(
-            request_id, [t for pair in pairs for t in pair], body, model, raw
+        request_id = self.request_id(raw, body, "classify")
+        finals = await self._pool(
+            request_id, self._prompts(body), body.to_pooling_params("classify"), body, model, raw
         )
+        labels = self.model_config.pooler_config.labels
         data = [
-            {"index": i, "object": "score", "score": cosine(vectors[a], vectors[b])}
-            for i, (a, b) in enumerate(pairs)
+            {
+                "index": i,
+                "label": labels[int(np.argmax(out.outputs.data))],
+                "probs": np.asarray(out.outputs.data).tolist(),
+                "num_classes": len(out.outputs.data),
+            }
+            for i, out in enumerate(finals)
         ]
         return web.json_response(self._answer(request_id, model, {"data": data}, finals))
 
+    async def score(self, body: ScoreRequest, raw: web.Request) -> web.Response:
+        """vLLM's /score: each (text_1, text_2) pair's score."""
+        model = self.model_name(body.model)
+        request_id = self.request_id(raw, body, "score")
+        scores, finals = await self._scores(request_id, body.pairs(), body, model, raw)
+        data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)]
+        return web.json_response(self._answer(request_id, model, {"data": data}, finals))
+
     async def rerank(self, body: RerankRequest, raw: web.Request) -> web.Response:
-        """Jina's and Cohere's rerank over an embedding model: documents by the cosine similarity of
-        their embedding to the query's, best first (the top_n of them; 0: all)."""
+        """Jina's and Cohere's rerank: the documents by their score against the query, best first
+        (the top_n of them; 0: all)."""
         model = self.model_name(body.model)
         request_id = self.request_id(raw, body, "rerank")
-        vectors, finals = await self._embed_texts(request_id, [body.query, *body.documents], body, model, raw)
-        scored = sorted(
-            ((cosine(vectors[body.query], vectors[d]), i) for i, d in enumerate(body.documents)),
-            key=lambda x: -x[0],
-        )
+        pairs = [(body.query, d) for d in body.documents]
+        scores, finals = await self._scores(request_id, pairs, body, model, raw)
+        ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n or None]
         results = [
             {
                 "index": i,
-                "relevance_score": score,
+                "relevance_score": scores[i],
                 **({"document": {"text": body.documents[i]}} if body.return_documents else {}),
             }
-            for score, i in scored[: body.top_n or None]
+            for i in ranked
         ]
         answer = self._answer(request_id, model, {"results": results}, finals)
         answer["usage"] = {"total_tokens": answer["usage"]["total_tokens"]}
         return web.json_response(answer)
 
-    async def _embed_texts(self, request_id: str, texts: list[str], body, model: str, raw: web.Request):
-        """Each distinct text's embedding (text -> vector), and the outputs it came from."""
-        distinct = list(dict.fromkeys(texts))
-        params = PoolingParams(truncate_prompt_tokens=body.truncate_prompt_tokens, task="embed")
+    async def _scores(
+        self, request_id: str, pairs: list[tuple[str, str]], body, model: str, raw: web.Request
+    ):
+        """Each pair's score, and the outputs it came from: a cross-encoder's probability for the
+        pair read together, or the cosine similarity of the two texts' embeddings (each distinct
+        text embedded once)."""
+        truncate = body.truncate_prompt_tokens
+        if is_cross_encoder(self.model_config.pooler_config):
+            prompts = [pair_prompt(self.require_tokenizer(), a, b) for a, b in pairs]
+            params = PoolingParams(truncate_prompt_tokens=truncate, task="score")
+            finals = await self._pool(request_id, prompts, params, body, model, raw)
+            return [float(out.outputs.data[0]) for out in finals], finals
+        distinct = list(dict.fromkeys(t for pair in pairs for t in pair))
+        params = PoolingParams(truncate_prompt_tokens=truncate, task="embed")
         finals = await self._pool(
             request_id, [self.tokenize(t, True) for t in distinct], params, body, model, raw
         )
-        return {t: out.outputs.data for t, out in zip(distinct, finals)}, finals
+        vectors = {t: out.outputs.data for t, out in zip(distinct, finals)}
+        return [cosine(vectors[a], vectors[b]) for a, b in pairs], finals
 
     async def _pool(self, request_id: str, prompts: list[Prompt], params: PoolingParams, body, model, raw):
         """Every prompt's final output, in order (all checked before any is queued)."""
