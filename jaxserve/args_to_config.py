@@ -26,6 +26,7 @@ from jaxserve.config import (
 from jaxserve.engine.tracing import exporter_class
 from jaxserve.flags import as_dict, check_flag_values, parse_human_int
 from jaxserve.model_resolution import devices, model_config_from_args, platform
+from jaxserve.pooler_resolution import is_encoder
 from jaxserve.reasoning import get_reasoning_parser
 from jaxserve.structured_output.grammar import check_backend
 
@@ -180,6 +181,13 @@ def build_engine_config(args: EngineArgsFields) -> EngineConfig:
             raise ValueError("--speculative-config needs a generative model; this one is served for pooling.")
         # a prompt's mean or first token needs every token's hidden state: none comes from the cache
         cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)
+        if is_encoder(model_config.hf_config):  # each token attends to the whole prompt: one step
+            if scheduler_config.max_num_batched_tokens < model_config.max_model_len:
+                raise ValueError(
+                    f"An encoder runs a prompt whole in one step: max_num_batched_tokens "
+                    f"({scheduler_config.max_num_batched_tokens}) must be >= max_model_len ({model_config.max_model_len})."
+                )
+            scheduler_config = dataclasses.replace(scheduler_config, enable_chunked_prefill=False)
     return EngineConfig(
         model_config=model_config,
         cache_config=cache_config,

@@ -185,6 +185,10 @@ def model_config_from_args(args) -> ModelConfig:
     from jaxserve.layers.rotary import max_len_with_rope_scaling
 
     derived_len, source = max_len_with_rope_scaling(hf_config)
+    from jaxserve.models.bert import encoder_max_len
+
+    if encoder_max_len(hf_config) is not None:
+        derived_len, source = encoder_max_len(hf_config), "max_position_embeddings of an encoder"
     window = hf_config.get("sliding_window")
     if args.disable_sliding_window and window and int(window) < derived_len:
         derived_len, source = int(window), "sliding_window"

@@ -51,6 +51,8 @@ def runner_and_pooler(args, path: str, hf_config: Mapping) -> tuple[str, PoolerC
                    or is_base_architecture(hf_config))  # fmt: skip
         runner = "pooling" if pooling else "generate"
     if runner == "generate":
+        if is_encoder(hf_config):
+            raise ValueError(f"{hf_config['architectures'][0]} is an encoder: it is served for pooling only.")
         if convert not in ("auto", "none"):
             raise ValueError(f"--convert {convert} needs --runner pooling.")
         if args.pooler_config or args.override_pooler_config:
@@ -66,6 +68,11 @@ def runner_and_pooler(args, path: str, hf_config: Mapping) -> tuple[str, PoolerC
             f"by jaxserve: it serves {task} (classify needs a *ForSequenceClassification checkpoint's score head)."
         )
     return "pooling", _pooler_config(args, path, hf_config, st_modules, task)
+
+
+def is_encoder(hf_config: Mapping) -> bool:
+    """A BERT-style encoder (models/bert.py): bidirectional attention, prompts whole in one step."""
+    return hf_config.get("model_type") in ("bert", "roberta", "xlm-roberta")
 
 
 def is_classifier_architecture(hf_config: Mapping) -> bool:
@@ -105,6 +112,8 @@ def _pooler_config(
     fields: dict = {"task": task}
     if task == "classify":
         fields.update(normalize=False, labels=classifier_labels(hf_config))
+    if is_encoder(hf_config):
+        fields["pooling_type"] = "CLS"  # BERT's [CLS] (vLLM's default for encoders)
     for module in st_modules or ():
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         if kind not in _ST_MODULES:

@@ -260,3 +260,51 @@ def make_lora_adapter(
                 p.normal_(0.0, 0.1)
     model.save_pretrained(path)
     return model
+
+
+def make_wordpiece_tokenizer():
+    """A small BERT WordPiece tokenizer trained on the spot: [CLS] text [SEP], pairs as
+    [CLS] a [SEP] b [SEP] with token types 0 then 1; its [SEP] is id 3."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator(_CORPUS * 4, trainers.WordPieceTrainer(vocab_size=300, special_tokens=specials))
+    tok.post_processor = processors.BertProcessing(("[SEP]", 3), ("[CLS]", 2))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]",
+        mask_token="[MASK]", model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+    )  # fmt: skip
+
+
+def make_encoder_checkpoint(path, model_type: str = "bert", seed: int = 0):
+    """Save a tiny random BertModel (or XLMRobertaModel) with a WordPiece tokenizer; return the
+    torch model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    tokenizer = make_wordpiece_tokenizer()
+    shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=128)  # fmt: skip
+    if model_type == "bert":
+        config = transformers.BertConfig(**shape, type_vocab_size=2, pad_token_id=0, sep_token_id=3)
+        model = transformers.BertModel(config)
+    else:  # RoBERTa's positions start at padding_idx + 1; one token type
+        config = transformers.XLMRobertaConfig(**{**shape, "max_position_embeddings": 130}, type_vocab_size=1,
+                                               pad_token_id=0, sep_token_id=3)  # fmt: skip
+        model = transformers.XLMRobertaModel(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.08)
+            elif bool((p == 1).all()):
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.normal_(0.0, 0.08)
+    model.eval().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model

@@ -165,3 +165,22 @@ def per_device_heads(fn, split: tuple, whole: tuple, scalars: dict) -> jax.Array
     # (the kernels declare their outputs without how they vary over the mesh: no check of that)
     sharded = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
     return sharded(split, whole, traced)
+
+
+def sequence_attention(
+    q: jax.Array,  # [num_tokens, num_heads, head_dim]
+    k: jax.Array,  # [num_tokens, num_heads, head_dim]
+    v: jax.Array,  # [num_tokens, num_heads, head_dim]
+    cu_q_lens: jax.Array,  # [num_seqs + 1] int32, sequence i's tokens are [cu[i], cu[i + 1])
+    sm_scale: float,
+) -> jax.Array:  # [num_tokens, num_heads, head_dim]
+    """An encoder's attention (BERT): every token attends to every token of its own sequence in
+    the batch, none of another, in float32. Dense over the step's tokens ([heads, tokens, tokens]
+    scores): an encoder's prompts are whole in one step and short (BERT's 512), and it keeps no
+    KV. Padding tokens attend among themselves (their rows are dropped)."""
+    n = q.shape[0]
+    seq = jnp.searchsorted(cu_q_lens, jnp.arange(n), side="right")
+    scores = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32)) * sm_scale
+    scores = jnp.where((seq[:, None] == seq[None, :])[None], scores, -jnp.inf)
+    out = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v.astype(jnp.float32))
+    return out.astype(q.dtype)

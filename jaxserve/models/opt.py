@@ -24,7 +24,7 @@ from flax import nnx
 
 from jaxserve.config import LoRAConfig
 from jaxserve.layers.activation import ACTIVATIONS
-from jaxserve.layers.attention import AttentionMetadata, paged_attention
+from jaxserve.layers.attention import AttentionMetadata, paged_attention, sequence_attention
 from jaxserve.layers.linear import kernel_params, linear, linears, lora_mask, lora_params
 from jaxserve.models.causal_lm import CausalLM
 from jaxserve.models.llama import _param
@@ -51,6 +51,14 @@ class OPTArgs:
     tie_word_embeddings: bool
     quantization: str | None = None  # of the layers' projections (layers/linear.py)
     lora: LoRAConfig | None = None  # LoRA adapters' device slots on every projection; None: no LoRA
+    # An encoder (BERT, RoBERTa: models/bert.py): each token attends to every token of its
+    # sequence in the step (a whole prompt, never chunked), and no KV is kept; the embeddings get
+    # token types (derived from the separator: a token after a sequence's first sep_token_id is of
+    # type 1, BERT's pair layout) and a LayerNorm.
+    bidirectional: bool = False
+    embed_norm: bool = False
+    type_vocab_size: int = 0
+    sep_token_id: int | None = None
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -160,6 +168,11 @@ class OPTForCausalLM(CausalLM):
         if a.final_norm and a.norm_affine:
             self.final_norm = _param(rngs, (e,), ("norm",), dtype, "ones")
             self.final_norm_bias = _param(rngs, (e,), ("norm",), dtype, "zeros")
+        if a.type_vocab_size:
+            self.embed_types = _param(rngs, (a.type_vocab_size, e), (None, "embed"), dtype)
+        if a.embed_norm:
+            self.embed_norm = _param(rngs, (e,), ("norm",), dtype, "ones")
+            self.embed_norm_bias = _param(rngs, (e,), ("norm",), dtype, "zeros")
         if not a.tie_word_embeddings:
             self.lm_head = _param(rngs, (d, a.vocab_size), ("embed", "vocab"), dtype)
 
@@ -180,6 +193,10 @@ class OPTForCausalLM(CausalLM):
         if a.word_embed_proj_dim != a.hidden_size:
             x = x @ self.project_in.value
         x = x + self.embed_positions.value[positions + a.position_offset]
+        if a.type_vocab_size:
+            x = x + self.embed_types.value[self._token_types(input_ids, meta.cu_q_lens)]
+        if a.embed_norm:
+            x = layer_norm(x, self.embed_norm.value, self.embed_norm_bias.value, a.layer_norm_eps)
 
         def norm(x, w, name):
             return layer_norm(x, w.get(name), w.get(f"{name}_bias"), a.layer_norm_eps)
@@ -192,9 +209,12 @@ class OPTForCausalLM(CausalLM):
             q = q.reshape(num_tokens, a.num_heads, a.head_dim)
             k = k.reshape(num_tokens, a.num_kv_heads, a.head_dim)
             v = v.reshape(num_tokens, a.num_kv_heads, a.head_dim)
-            attn, kv_pool = paged_attention(
-                q, k, v, kv_pool, index, pages_per_layer, meta, sm_scale=a.head_dim**-0.5
-            )
+            if a.bidirectional:
+                attn = sequence_attention(q, k, v, meta.cu_q_lens, a.head_dim**-0.5)
+            else:
+                attn, kv_pool = paged_attention(
+                    q, k, v, kv_pool, index, pages_per_layer, meta, sm_scale=a.head_dim**-0.5
+                )
             x = x + linear(attn.reshape(num_tokens, -1), w, "o", lora)
             if not a.pre_norm:
                 x = norm(x, w, "attn_norm")
@@ -207,6 +227,19 @@ class OPTForCausalLM(CausalLM):
         xs = (self.layers.stacked(), jnp.arange(a.num_layers, dtype=jnp.int32))
         (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), xs)
         return x, kv_pool
+
+    def _token_types(self, input_ids: jax.Array, cu: jax.Array) -> jax.Array:
+        """[num_tokens] int32: 0, or 1 for a token after its sequence's first separator (with two
+        types; one type: all 0)."""
+        a = self.args
+        if a.type_vocab_size < 2 or a.sep_token_id is None:
+            return jnp.zeros_like(input_ids)
+        is_sep = (input_ids == a.sep_token_id).astype(jnp.int32)
+        seps_before = jnp.cumsum(is_sep) - is_sep  # from the batch's first token
+        n = input_ids.shape[0]
+        row = jnp.searchsorted(cu, jnp.arange(n), side="right") - 1
+        start = jnp.minimum(cu[jnp.minimum(row, cu.shape[0] - 1)], n - 1)  # the row's first token
+        return jnp.minimum(seps_before - seps_before[start], 1)
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
         a = self.args
@@ -236,6 +269,11 @@ class OPTForCausalLM(CausalLM):
         if a.word_embed_proj_dim != a.hidden_size:
             table["model.decoder.project_in.weight"] = ("project_in", None, True)
             table["model.decoder.project_out.weight"] = ("project_out", None, True)
+        if a.type_vocab_size:
+            table["model.decoder.embed_types.weight"] = ("embed_types", None, False)
+        if a.embed_norm:
+            table["model.decoder.embed_norm.weight"] = ("embed_norm", None, False)
+            table["model.decoder.embed_norm.bias"] = ("embed_norm_bias", None, False)
         if a.final_norm and a.norm_affine:
             table["model.decoder.final_layer_norm.weight"] = ("final_norm", None, False)
             table["model.decoder.final_layer_norm.bias"] = ("final_norm_bias", None, False)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.models.bert import bert_args, bert_names
 from jaxserve.models.gemma import gemma2_args, gemma3_args, gemma_args
 from jaxserve.models.gpt2 import gpt2_args, gpt2_names
 from jaxserve.models.llama import LlamaArgs, LlamaForCausalLM
@@ -32,6 +33,10 @@ class ModelEntry:
 
 
 _REGISTRY: dict[str, ModelEntry] = {
+    # encoders, served for pooling only (models/bert.py)
+    "BertModel": ModelEntry(OPTForCausalLM, bert_args, bert_names),
+    "RobertaModel": ModelEntry(OPTForCausalLM, bert_args, bert_names),
+    "XLMRobertaModel": ModelEntry(OPTForCausalLM, bert_args, bert_names),
     "GemmaForCausalLM": ModelEntry(LlamaForCausalLM, gemma_args),
     "Gemma2ForCausalLM": ModelEntry(LlamaForCausalLM, gemma2_args),
     "Gemma3ForCausalLM": ModelEntry(LlamaForCausalLM, gemma3_args),

@@ -63,10 +63,11 @@ class StepLayout:
         devices' (the TPU compile check)."""
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         backend = config.compilation_config.attention_backend
+        encoder = getattr(args, "bidirectional", False)  # keeps no KV: its pages are only counted
         spec = KVCacheSpec(
-            num_layers=args.num_layers,
+            num_layers=1 if encoder else args.num_layers,
             num_kv_heads=args.num_kv_heads,
-            head_dim=pool_head_dim(backend, args.head_dim),
+            head_dim=1 if encoder else pool_head_dim(backend, args.head_dim),
             page_size=cc.block_size,
             dtype=jnp.dtype(cc.kv_pool_dtype(mc.dtype)),
         )

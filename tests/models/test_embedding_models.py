@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 import torch
 from reference_checks import assert_vectors_close, classifier_logits, pooled_reference
-from tiny_models import TINY_LLAMA, engine_kwargs, make_classifier, make_family_checkpoint, make_tokenizer
+from tiny_models import (
+    TINY_LLAMA,
+    engine_kwargs,
+    make_classifier,
+    make_encoder_checkpoint,
+    make_family_checkpoint,
+    make_tokenizer,
+)
 
 from jaxserve import LLM
 from jaxserve.pooling_params import PoolingParams
@@ -226,3 +233,44 @@ def test_cross_encoder_scores_pairs_read_together(tmp_path, qwen3):
     embedder = LLM(qwen3[0], runner="pooling", **engine_kwargs())
     with pytest.raises(ValueError, match="served for embeddings; classification needs"):
         embedder.classify(PROMPTS[0], use_tqdm=False)
+
+
+@pytest.mark.parametrize("model_type", ["bert", "xlm-roberta"])
+def test_encoders_match_transformers(tmp_path, model_type):
+    """BERT and XLM-RoBERTa encoders: every token sees its whole sequence, learned positions (offset
+    in RoBERTa), token types from the separator; CLS (their default) and MEAN pooling agree with
+    transformers, for single texts and for pairs read together ([CLS] a [SEP] b [SEP], types 0 / 1)."""
+    model = make_encoder_checkpoint(tmp_path, model_type)
+    llm = LLM(str(tmp_path), **engine_kwargs(max_num_batched_tokens=128, max_model_len=96))
+    assert llm.llm_engine.config.model_config.pooler_config.pooling_type == "CLS"
+    assert not llm.llm_engine.config.scheduler_config.enable_chunked_prefill
+    tok = llm.get_tokenizer()
+    encodings = [tok(p) for p in PROMPTS] + [tok(PROMPTS[0], PROMPTS[2]), tok(PROMPTS[3], PROMPTS[1])]
+    prompts = [{"prompt_token_ids": e["input_ids"]} for e in encodings]
+    mean = LLM(str(tmp_path), **engine_kwargs(max_num_batched_tokens=128, max_model_len=96,
+                                              pooler_config={"pooling_type": "MEAN"}))  # fmt: skip
+    for out, mean_out, enc in zip(
+        llm.embed(prompts, use_tqdm=False), mean.embed(prompts, use_tqdm=False), encodings
+    ):
+        types = enc.get("token_type_ids") if model_type == "bert" else None
+        with torch.no_grad():
+            hidden = (
+                model(
+                    torch.tensor([enc["input_ids"]]),
+                    token_type_ids=None if types is None else torch.tensor([types]),
+                )
+                .last_hidden_state[0]
+                .double()
+                .numpy()
+            )
+        for got, want in ((out, hidden[0]), (mean_out, hidden.mean(0))):
+            assert_vectors_close(got.outputs.embedding, want / np.linalg.norm(want))
+    assert any(1 in e["token_type_ids"] for e in encodings)  # the pairs had second segments
+
+
+def test_an_encoder_is_served_for_pooling_only(tmp_path):
+    make_encoder_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="BertModel is an encoder: it is served for pooling only"):
+        LLM(str(tmp_path), runner="generate", **engine_kwargs())
+    with pytest.raises(ValueError, match="An encoder runs a prompt whole in one step"):
+        LLM(str(tmp_path), **engine_kwargs(max_num_batched_tokens=64, max_model_len=96))
