@@ -72,20 +72,12 @@ class LLM:
             )
         return self._run(prompts, sampling_params, use_tqdm, priority, lora_request)
 
-    def embed(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        *,
-        truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-    ) -> list[PoolingRequestOutput]:
+    def embed(self, prompts, pooling_params=None, **kwargs) -> list[PoolingRequestOutput]:
         """vLLM's LLM.embed: an embedding per prompt (`outputs.embedding`, a list of floats), from
-        a pooling model (--runner pooling)."""
-        outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-                           use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="embed")  # fmt: skip
-        return [out.as_embedding() for out in outs]
+        an embedding model. Keywords as encode's (truncate_prompt_tokens, use_tqdm, lora_request)."""
+        return [
+            o.as_embedding() for o in self.encode(prompts, pooling_params, pooling_task="embed", **kwargs)
+        ]
 
     def encode(
         self,
@@ -117,20 +109,11 @@ class LLM:
         pooling_params = [p.clone(task=pooling_task) for p in pooling_params]
         return self._run(prompts, pooling_params, use_tqdm, None, lora_request)
 
-    def classify(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        *,
-        truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-    ) -> list[PoolingRequestOutput]:
-        """vLLM's LLM.classify: each prompt's class probabilities (`outputs.probs`), from a
-        sequence classifier (a *ForSequenceClassification checkpoint)."""
-        outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-                           use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="classify")  # fmt: skip
-        return [out.as_classification() for out in outs]
+    def classify(self, prompts, pooling_params=None, **kwargs) -> list[PoolingRequestOutput]:
+        """vLLM's LLM.classify: each prompt's class probabilities (`outputs.probs`), from a sequence
+        classifier (a *ForSequenceClassification checkpoint). Keywords as encode's."""
+        outs = self.encode(prompts, pooling_params, pooling_task="classify", **kwargs)
+        return [o.as_classification() for o in outs]
 
     def score(
         self,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 
-from jaxserve.pooling_params import PooledSums
+from jaxserve.pooling_params import PooledSums, PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler_output import LogitsSpec, TopLogprobs
 
@@ -37,6 +37,11 @@ _FINISHED = frozenset(("stop", "length", "abort", "error"))
 
 
 class Request:
+    # A pooling request (neutral sampling_params, never sampled; it ends with its prompt's last
+    # chunk) has its PoolingParams, resolved by the InputProcessor, and its chunks' sums so far.
+    pooling_params: PoolingParams | None = None
+    pooled: PooledSums | None = None
+
     def __init__(
         self,
         request_id: str,
@@ -97,10 +102,6 @@ class Request:
         self.draft_token_ids: tuple[int, ...] = ()  # proposed to follow its last token (speculative decoding)
         self.num_new_tokens = 0  # output tokens the last update() added (a step may add several)
         self.new_logprobs: list[float] = []  # their logprobs, when a step with proposals added them
-        # A pooling request (an embedding): its settings, and its chunks' sums so far; it samples
-        # nothing (its sampling_params are neutral) and ends when its prompt's last chunk is back.
-        self.pooling_params = None  # a pooling_params.PoolingParams, resolved by the InputProcessor
-        self.pooled: PooledSums | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -9,7 +9,7 @@ for one request's row.
 from __future__ import annotations
 
 from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.scheduler_output import SamplingRow, TopLogprobs
+from jaxserve.scheduler_output import SamplingRow, ScheduledSeq, TopLogprobs
 
 
 def target_tokens(req: Request) -> int:
@@ -154,3 +154,11 @@ def drop_outputs_after(req: Request, num_tokens: int) -> None:
     del req.output_token_ids[num_tokens:]
     del req.output_logprobs[num_tokens:]
     req.num_new_tokens -= dropped
+
+
+def add_pooled(req: Request, seq: ScheduledSeq, row) -> bool:
+    """A pooling request's row of a step ([3, width]: its chunk's sums) added to its own; whether
+    the chunk ended its prompt (a chunk from position 0 starts the sums over: a recomputed prompt)."""
+    ends = seq.start_pos + len(seq.token_ids) == req.num_prompt_tokens
+    req.pooled.add(row, seq.start_pos == 0, ends)
+    return ends

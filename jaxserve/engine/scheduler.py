@@ -31,6 +31,7 @@ from jaxserve.engine.block_manager import BlockManager, PrefixCacheStats
 from jaxserve.engine.lora_slots import LoRASlots
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.request_rows import (
+    add_pooled,
     drop_outputs_after,
     extend_prompt_logprobs,
     fed_token_ids,
@@ -537,9 +538,7 @@ class Scheduler:
             req = self.requests.get(seq.request_id)
             if req is None or req.is_finished:
                 continue
-            ends = seq.start_pos + len(seq.token_ids) == req.num_prompt_tokens
-            req.pooled.add(row, seq.start_pos == 0, ends)
-            if ends:
+            if add_pooled(req, seq, row):
                 req.num_new_tokens, req.first_token_time = 0, now
                 self._finish(req, RequestStatus.FINISHED_STOPPED)
                 updated.append(req)

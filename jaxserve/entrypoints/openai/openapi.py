@@ -50,6 +50,21 @@ def _answers(*content_types: str, errors: tuple[str, ...] = ()) -> dict:
     return {"responses": responses}
 
 
+# Endpoints that take a JSON body and answer JSON: (path, summary, request body)
+_JSON_POSTS = (
+    ("/v1/embeddings", "Create embeddings", EmbeddingRequest),
+    ("/pooling", "Pooling", PoolingRequest),
+    ("/classify", "Classify", ClassificationRequest),
+    ("/score", "Score", ScoreRequest),
+    ("/v1/score", "Score", ScoreRequest),
+    ("/rerank", "Rerank", RerankRequest),
+    ("/v1/rerank", "Rerank", RerankRequest),
+    ("/v2/rerank", "Rerank", RerankRequest),
+    ("/tokenize", "Tokenize", TokenizeCompletionRequest),
+    ("/detokenize", "Detokenize", DetokenizeRequest),
+)
+
+
 def openapi_document(root_path: str | None = None) -> dict:
     """The OpenAPI description of the endpoints, request schemas from the pydantic models."""
     schemas: dict = {}
@@ -58,6 +73,7 @@ def openapi_document(root_path: str | None = None) -> dict:
         return _body(model, schemas)
 
     client_errors = ("400", "404", "413", "415")
+    json_answer = _answers("application/json", errors=client_errors)
     generation = _answers("application/json", "text/event-stream", errors=client_errors)
     paths = {
         "/health": {"get": {"summary": "Health", **_answers(errors=("503",))}},
@@ -84,60 +100,9 @@ def openapi_document(root_path: str | None = None) -> dict:
                 **_answers("application/json", errors=("404",)),
             }
         },
-        "/v1/embeddings": {
-            "post": {
-                "summary": "Create embeddings",
-                **body(EmbeddingRequest),
-                **_answers("application/json", errors=client_errors),
-            }
-        },
-        "/pooling": {
-            "post": {
-                "summary": "Pooling",
-                **body(PoolingRequest),
-                **_answers("application/json", errors=client_errors),
-            }
-        },
-        "/classify": {
-            "post": {
-                "summary": "Classify",
-                **body(ClassificationRequest),
-                **_answers("application/json", errors=client_errors),
-            }
-        },
         **{
-            path: {
-                "post": {
-                    "summary": "Score",
-                    **body(ScoreRequest),
-                    **_answers("application/json", errors=client_errors),
-                }
-            }
-            for path in ("/score", "/v1/score")
-        },
-        **{
-            path: {
-                "post": {
-                    "summary": "Rerank",
-                    **body(RerankRequest),
-                    **_answers("application/json", errors=client_errors),
-                }
-            }
-            for path in ("/rerank", "/v1/rerank", "/v2/rerank")
-        },
-        "/tokenize": {
-            "post": {
-                "summary": "Tokenize",
-                **body(TokenizeCompletionRequest),
-                **_answers("application/json", errors=client_errors),
-            }
-        },
-        "/detokenize": {
-            "post": {
-                "summary": "Detokenize",
-                **body(DetokenizeRequest),
-                **_answers("application/json", errors=client_errors),
-            }
+            path: {"post": {"summary": summary, **body(model), **json_answer}}
+            for path, summary, model in _JSON_POSTS
         },
     }
     schemas["ErrorResponse"] = ERROR_RESPONSE_SCHEMA

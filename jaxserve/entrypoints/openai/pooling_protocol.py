@@ -14,10 +14,10 @@ import numpy as np
 from pydantic import Field
 
 from jaxserve.entrypoints.openai.protocol import (
-    MAX_PROMPTS_PER_REQUEST,
     ChatMessage,
     OpenAIBaseModel,
     bad_request,
+    prompt_list,
 )
 from jaxserve.pooling_params import PoolingParams
 
@@ -46,19 +46,7 @@ class EmbeddingRequest(OpenAIBaseModel):
         """`input` as a list of prompts (text or token ids)."""
         if (self.input is None) == (self.messages is None):
             raise bad_request("Give either `input` or `messages`.", "input")
-        p = self.input
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise bad_request("input must not be empty.", "input")
-        if isinstance(p[0], int):
-            return [list(p)]
-        if len(p) > MAX_PROMPTS_PER_REQUEST:
-            raise bad_request(
-                f"input holds {len(p)} prompts; one request may batch at most {MAX_PROMPTS_PER_REQUEST}.",
-                "input",
-            )
-        return list(p)
+        return prompt_list(self.input, "input")
 
     def to_pooling_params(self, task: str) -> PoolingParams:
         return PoolingParams(

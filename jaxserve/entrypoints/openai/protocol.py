@@ -262,19 +262,22 @@ class CompletionRequest(_SamplingRequest):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise ValueError("prompt must not be empty.")
-        if isinstance(p[0], int):
-            return [list(p)]
-        if len(p) > MAX_PROMPTS_PER_REQUEST:
-            raise bad_request(
-                f"prompt holds {len(p)} prompts; one request may batch at most {MAX_PROMPTS_PER_REQUEST}.",
-                "prompt",
-            )
-        return list(p)
+        return prompt_list(self.prompt, "prompt")
+
+
+def prompt_list(p: str | list, field: str) -> list[str | list[int]]:
+    """A prompt field (one text, texts, one token-id list or several) as a list of prompts."""
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise bad_request(f"{field} must not be empty.", field)
+    if isinstance(p[0], int):
+        return [list(p)]
+    if len(p) > MAX_PROMPTS_PER_REQUEST:
+        raise bad_request(
+            f"{field} holds {len(p)} prompts; one request may batch at most {MAX_PROMPTS_PER_REQUEST}.", field
+        )
+    return list(p)
 
 
 class ChatMessage(OpenAIBaseModel):
