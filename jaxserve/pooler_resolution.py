@@ -145,6 +145,8 @@ def _pooler_config(
             f"supported: {', '.join(POOLING_TYPES)}."
         )
     fields["pooling_type"] = str(fields.get("pooling_type", "LAST")).upper()
+    if task == "classify" and is_encoder(hf_config) and fields["pooling_type"] != "CLS":
+        raise ValueError("An encoder classifier's head reads its [CLS] token: pooling_type must be CLS.")
     dims = hf_config.get("matryoshka_dimensions")
     fields["matryoshka_dimensions"] = tuple(dims) if dims else None
     fields["is_matryoshka"] = bool(dims) or bool(hf_config.get("is_matryoshka"))

@@ -280,9 +280,10 @@ def make_wordpiece_tokenizer():
     )  # fmt: skip
 
 
-def make_encoder_checkpoint(path, model_type: str = "bert", seed: int = 0):
-    """Save a tiny random BertModel (or XLMRobertaModel) with a WordPiece tokenizer; return the
-    torch model."""
+def make_encoder_checkpoint(path, model_type: str = "bert", seed: int = 0, num_labels: int = 0):
+    """Save a tiny random BertModel (or XLMRobertaModel; with num_labels, the
+    *ForSequenceClassification of that many classes) with a WordPiece tokenizer; return the torch
+    model."""
     import torch
     import transformers
 
@@ -290,13 +291,16 @@ def make_encoder_checkpoint(path, model_type: str = "bert", seed: int = 0):
     tokenizer = make_wordpiece_tokenizer()
     shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, max_position_embeddings=128)  # fmt: skip
+    if num_labels:
+        shape["num_labels"] = num_labels
+    kind = "ForSequenceClassification" if num_labels else "Model"
     if model_type == "bert":
         config = transformers.BertConfig(**shape, type_vocab_size=2, pad_token_id=0, sep_token_id=3)
-        model = transformers.BertModel(config)
+        model = getattr(transformers, "Bert" + kind)(config)
     else:  # RoBERTa's positions start at padding_idx + 1; one token type
         config = transformers.XLMRobertaConfig(**{**shape, "max_position_embeddings": 130}, type_vocab_size=1,
                                                pad_token_id=0, sep_token_id=3)  # fmt: skip
-        model = transformers.XLMRobertaModel(config)
+        model = getattr(transformers, "XLMRoberta" + kind)(config)
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:

@@ -3,8 +3,10 @@ pooling: the OPT port run as an encoder (models/opt.py `bidirectional`): post-LN
 biases and GELU, learned absolute positions (RoBERTa's table starts at padding_idx + 1), token
 type embeddings and a LayerNorm on the embeddings, every token attending to its whole sequence.
 This file maps the config and renames the checkpoint's tensors into OPT's names at load; a
-`bert.` / `roberta.` prefix (a task model's) is dropped, and BertModel's pooler (a dense + tanh
-over [CLS], which no embedding model's pooling reads) is skipped."""
+`bert.` / `roberta.` prefix (a task model's) is dropped. A *ForSequenceClassification's head
+(BERT's pooler + classifier, RoBERTa's classifier: tanh(dense([CLS])) then a projection) is read
+into the port's classifier head; an embedding model's BertModel pooler, which no pooling reads,
+is skipped."""
 
 from __future__ import annotations
 
@@ -31,6 +33,13 @@ _RENAMES = [
     (r"encoder\.layer\.(\d+)\.output\.dense\.(weight|bias)", r"model.decoder.layers.\1.fc2.\2"),
     (r"encoder\.layer\.(\d+)\.output\.LayerNorm\.(weight|bias)", r"model.decoder.layers.\1.final_layer_norm.\2"),
 ]  # fmt: skip
+# a classifier's head: BERT's pooler and classifier, RoBERTa's classifier.dense and out_proj
+_HEAD = [
+    (r"pooler\.dense\.(weight|bias)", r"model.decoder.cls_dense.\1"),
+    (r"classifier\.(weight|bias)", r"model.decoder.cls_out.\1"),
+    (r"classifier\.dense\.(weight|bias)", r"model.decoder.cls_dense.\1"),
+    (r"classifier\.out_proj\.(weight|bias)", r"model.decoder.cls_out.\1"),
+]
 _SKIPPED = re.compile(r"pooler\.dense\.(weight|bias)|embeddings\.position_ids")
 _ROBERTA = ("roberta", "xlm-roberta")
 
@@ -79,9 +88,9 @@ def encoder_max_len(hf: Mapping) -> int | None:
 def bert_names(name: str, tensor: np.ndarray, args: OPTArgs) -> Iterator[tuple[str, np.ndarray]]:
     """One BERT checkpoint tensor -> its OPT name (nothing for the skipped ones)."""
     short = re.sub(r"^(bert|roberta)\.", "", name)
-    if _SKIPPED.fullmatch(short):
+    if not args.num_labels and _SKIPPED.fullmatch(short):
         return
-    for pattern, target in _RENAMES:
+    for pattern, target in _RENAMES + (_HEAD if args.num_labels else []):
         if re.fullmatch(pattern, short):
             yield re.sub(pattern, target, short), tensor
             return

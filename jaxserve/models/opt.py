@@ -59,6 +59,9 @@ class OPTArgs:
     embed_norm: bool = False
     type_vocab_size: int = 0
     sep_token_id: int | None = None
+    # A sequence classifier's classes (BERT's and RoBERTa's heads: tanh(dense(x)), then a
+    # projection with bias, over [CLS]); 0: none
+    num_labels: int = 0
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -173,6 +176,11 @@ class OPTForCausalLM(CausalLM):
         if a.embed_norm:
             self.embed_norm = _param(rngs, (e,), ("norm",), dtype, "ones")
             self.embed_norm_bias = _param(rngs, (e,), ("norm",), dtype, "zeros")
+        if a.num_labels:
+            self.cls_dense = _param(rngs, (e, e), ("embed", None), dtype)
+            self.cls_dense_bias = _param(rngs, (e,), ("norm",), dtype, "zeros")
+            self.cls_out = _param(rngs, (e, a.num_labels), ("embed", "labels"), dtype)
+            self.cls_out_bias = _param(rngs, (a.num_labels,), ("labels",), dtype, "zeros")
         if not a.tie_word_embeddings:
             self.lm_head = _param(rngs, (d, a.vocab_size), ("embed", "vocab"), dtype)
 
@@ -241,6 +249,14 @@ class OPTForCausalLM(CausalLM):
         start = jnp.minimum(cu[jnp.minimum(row, cu.shape[0] - 1)], n - 1)  # the row's first token
         return jnp.minimum(seps_before - seps_before[start], 1)
 
+    def pooler_head(self, x: jax.Array) -> jax.Array:
+        """A classifier's head over pooled rows (not linear: it reads whole [CLS] rows, which an
+        encoder's steps always hold); nothing for an embedding model."""
+        if not self.args.num_labels:
+            return x
+        h = jnp.tanh(x @ self.cls_dense.value.astype(x.dtype) + self.cls_dense_bias.value.astype(x.dtype))
+        return h @ self.cls_out.value.astype(x.dtype) + self.cls_out_bias.value.astype(x.dtype)
+
     def final_hidden(self, x: jax.Array) -> jax.Array:
         a = self.args
         if a.final_norm:
@@ -274,6 +290,10 @@ class OPTForCausalLM(CausalLM):
         if a.embed_norm:
             table["model.decoder.embed_norm.weight"] = ("embed_norm", None, False)
             table["model.decoder.embed_norm.bias"] = ("embed_norm_bias", None, False)
+        if a.num_labels:
+            for head in ("cls_dense", "cls_out"):
+                table[f"model.decoder.{head}.weight"] = (head, None, True)
+                table[f"model.decoder.{head}.bias"] = (f"{head}_bias", None, False)
         if a.final_norm and a.norm_affine:
             table["model.decoder.final_layer_norm.weight"] = ("final_norm", None, False)
             table["model.decoder.final_layer_norm.bias"] = ("final_norm_bias", None, False)

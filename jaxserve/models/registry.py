@@ -33,10 +33,13 @@ class ModelEntry:
 
 
 _REGISTRY: dict[str, ModelEntry] = {
-    # encoders, served for pooling only (models/bert.py)
+    # encoders and their classifiers (cross-encoders), served for pooling only (models/bert.py)
     "BertModel": ModelEntry(OPTForCausalLM, bert_args, bert_names),
     "RobertaModel": ModelEntry(OPTForCausalLM, bert_args, bert_names),
     "XLMRobertaModel": ModelEntry(OPTForCausalLM, bert_args, bert_names),
+    "BertForSequenceClassification": ModelEntry(OPTForCausalLM, bert_args, bert_names),
+    "RobertaForSequenceClassification": ModelEntry(OPTForCausalLM, bert_args, bert_names),
+    "XLMRobertaForSequenceClassification": ModelEntry(OPTForCausalLM, bert_args, bert_names),
     "GemmaForCausalLM": ModelEntry(LlamaForCausalLM, gemma_args),
     "Gemma2ForCausalLM": ModelEntry(LlamaForCausalLM, gemma2_args),
     "Gemma3ForCausalLM": ModelEntry(LlamaForCausalLM, gemma3_args),

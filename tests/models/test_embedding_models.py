@@ -268,6 +268,37 @@ def test_encoders_match_transformers(tmp_path, model_type):
     assert any(1 in e["token_type_ids"] for e in encodings)  # the pairs had second segments
 
 
+@pytest.mark.parametrize("model_type, num_labels", [("bert", 1), ("xlm-roberta", 3)])
+def test_encoder_classifiers_match_transformers(tmp_path, model_type, num_labels):
+    """BERT / XLM-RoBERTa *ForSequenceClassification: the head (tanh(dense([CLS])), then a projection)
+    over [CLS]; one label is a cross-encoder: LLM.score reads a pair with its token types and
+    answers the sigmoid of the logit, as transformers' model gives it."""
+    model = make_encoder_checkpoint(tmp_path, model_type, num_labels=num_labels)
+    llm = LLM(str(tmp_path), **engine_kwargs(max_num_batched_tokens=128, max_model_len=96))
+    tok = llm.get_tokenizer()
+
+    def logits(enc):
+        types = enc.get("token_type_ids") if model_type == "bert" else None
+        with torch.no_grad():
+            out = model(
+                torch.tensor([enc["input_ids"]]),
+                token_type_ids=None if types is None else torch.tensor([types]),
+            )
+        return out.logits[0].double().numpy()
+
+    if num_labels == 1:
+        scores = llm.score(PROMPTS[0], PROMPTS, use_tqdm=False)
+        want = [1 / (1 + np.exp(-logits(tok(PROMPTS[0], doc))[0])) for doc in PROMPTS]
+        np.testing.assert_allclose([s.outputs.score for s in scores], want, atol=1e-6)
+    else:
+        for prompt, out in zip(PROMPTS, llm.classify(PROMPTS, use_tqdm=False)):
+            want = logits(tok(prompt))
+            np.testing.assert_allclose(out.outputs.probs, np.exp(want) / np.exp(want).sum(), atol=1e-6)
+    with pytest.raises(ValueError, match="pooling_type must be CLS"):
+        LLM(str(tmp_path), **engine_kwargs(max_num_batched_tokens=128, max_model_len=96,
+                                           pooler_config={"pooling_type": "MEAN"}))  # fmt: skip
+
+
 def test_an_encoder_is_served_for_pooling_only(tmp_path):
     make_encoder_checkpoint(tmp_path)
     with pytest.raises(ValueError, match="BertModel is an encoder: it is served for pooling only"):
