@@ -74,15 +74,22 @@ NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
 DRAFT = "draft"  # a draft model: the same shape (no weights either)
 
 
+POOLING = "pooling"  # served as an embedding model: the pool kind's programs only
+
+
 @pytest.mark.parametrize(
     "topology,tp,speculative",
-    [("v5e-4", 1, None), ("v6e-4", 1, DRAFT), ("v6e-4", 4, None), ("v5e-4", 4, NGRAM)],
+    [("v5e-4", 1, None), ("v6e-4", 1, DRAFT), ("v6e-4", 4, None), ("v5e-4", 4, NGRAM), ("v6e-4", 4, POOLING)],
 )
 def test_step_compiles_for_tpu_with_the_pallas_kernel(tmp_path, shape_dir, topology, tp, speculative):
     """With proposals (n-gram, or a draft model), the quick scope adds the smallest verify
     program: the proposed tokens as extra query rows through the kernel, and the sampler's
     every-row acceptance; and a draft model's own program."""
     flags = ["--topology", topology, "-tp", str(tp), *SMALL, "--programs", "quick"]
+    pooling = speculative == POOLING
+    if pooling:
+        flags += ["--runner", "pooling"]
+        speculative = None
     if speculative == DRAFT:
         speculative = json.dumps({"model": shape_dir, "num_speculative_tokens": 3})
     if speculative:
@@ -92,6 +99,8 @@ def test_step_compiles_for_tpu_with_the_pallas_kernel(tmp_path, shape_dir, topol
     assert report["attention_backend"] == "tpu" and report["dtype"] == "bfloat16"
     programs = report["programs"]
     expected = [((16, 16), "plain"), ((64, 16), "plain")] + [((16, 16), "verify")] * bool(speculative)
+    if pooling:  # prompts pooled on the device: the pool kind, through the same kernel
+        expected = [((16, 16), "pool"), ((64, 16), "pool")]
     if speculative and "model" in speculative:  # the draft's program; its pool from the same budget
         expected.append(((16, 16), "draft"))
         assert report["draft_weight_bytes"] == report["weight_bytes"]

@@ -130,12 +130,15 @@ class Report:
 
 
 def programs_in_scope(
-    buckets: Buckets, scope: str, speculative: bool = False
+    buckets: Buckets, scope: str, speculative: bool = False, pooling: bool = False
 ) -> list[tuple[tuple[int, int], StepVariant]]:
     """The (bucket, variant) pairs to compile, smallest bucket first; the verify kind's only for
-    an engine with speculative decoding (`speculative`), which is all that ever runs them."""
+    an engine with speculative decoding (`speculative`), which is all that ever runs them; a
+    pooling model's engine (`pooling`) runs the pool kind alone."""
     every = buckets.all()
     variants = [v for v in StepVariant.all() if speculative or v.kind == "generate"]
+    if pooling:
+        variants = [StepVariant(kind="pool")]
     ends = [every[0], every[-1]] if len(every) > 1 else every
     if scope == "all":
         return [(b, v) for b in every for v in variants]
@@ -248,7 +251,10 @@ def check(
     }
     resident = report.weight_bytes + report.kv_pool_bytes  # held while a sample program runs
     with pallas_target(chip):
-        for bucket, variant in programs_in_scope(layout.buckets, scope, layout.num_speculative_tokens > 0):
+        pooling = mc.runner_type == "pooling"
+        for bucket, variant in programs_in_scope(
+            layout.buckets, scope, layout.num_speculative_tokens > 0, pooling
+        ):
             for program in _compile(steps, bucket, variant, resident):
                 report.programs.append(program)
                 if progress is not None:
