@@ -220,7 +220,7 @@ class EngineArgsFields:
     pooler_config: dict | str | None = arg(
         G.MODEL,
         None,
-        "JSON object: how a pooling model reduces a prompt (pooling_type LAST, MEAN or CLS; "
+        "JSON object: how a pooling model reduces a prompt (pooling_type LAST, MEAN, CLS or ALL; "
         "normalize, dimensions; a classifier's activation), over the model's sentence-transformers files.",
     )
     override_pooler_config: dict | str | None = arg(

@@ -145,6 +145,10 @@ def _pooler_config(
             f"supported: {', '.join(POOLING_TYPES)}."
         )
     fields["pooling_type"] = str(fields.get("pooling_type", "LAST")).upper()
+    if task == "classify" and fields["pooling_type"] == "ALL":
+        raise ValueError(
+            "A classifier scores one vector per prompt: pooling_type ALL is for embedding models."
+        )
     if task == "classify" and is_encoder(hf_config) and fields["pooling_type"] != "CLS":
         raise ValueError("An encoder classifier's head reads its [CLS] token: pooling_type must be CLS.")
     dims = hf_config.get("matryoshka_dimensions")

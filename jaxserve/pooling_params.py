@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 # --pooler-config pooling types jaxserve computes (vLLM's names).
-POOLING_TYPES = ("LAST", "MEAN", "CLS")
+POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
 # Pooling tasks a request may name (vLLM's): an embedding model serves embed, a classifier classify;
 # both serve encode (the pooled output as it is) and score (pairs of texts compared).
 POOLING_TASKS = ("embed", "classify", "encode", "score")
@@ -50,28 +50,36 @@ class PooledSums:
         self.total: np.ndarray | None = None
         self.first: np.ndarray | None = None
         self.last: np.ndarray | None = None
+        self.tokens: list[np.ndarray] = []  # ALL pooling: each chunk's tokens' rows
 
-    def add(self, row: np.ndarray, starts: bool, ends: bool) -> None:
-        """row: [3, hidden] float32, the step's (sum, first, last) of one chunk."""
+    def add(self, row: np.ndarray, starts: bool, ends: bool, tokens: np.ndarray | None = None) -> None:
+        """row: [3, hidden] float32, the step's (sum, first, last) of one chunk; tokens: its
+        [chunk tokens, hidden] rows (ALL pooling)."""
         if starts or self.total is None:
-            self.total, self.first = row[0].copy(), row[1]
+            self.total, self.first, self.tokens = row[0].copy(), row[1], []
         else:
             self.total += row[0]
         if ends:
             self.last = row[2]
+        if tokens is not None:
+            self.tokens.append(tokens)
 
     def vector(self, pooling_type: str, num_tokens: int) -> np.ndarray:
+        """[hidden] (ALL: [num_tokens, hidden])."""
+        if pooling_type == "ALL":
+            return np.concatenate(self.tokens)
         if pooling_type == "MEAN":
             return self.total / num_tokens
         return self.first if pooling_type == "CLS" else self.last
 
 
 def finish_embedding(vector: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
-    """vLLM's order: the first `dimensions` numbers, then scaled to length 1."""
+    """vLLM's order: the first `dimensions` numbers, then scaled to length 1 (each token's row of
+    an ALL pooling)."""
     if dimensions is not None:
-        vector = vector[:dimensions]
+        vector = vector[..., :dimensions]
     if normalize:
-        vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        vector = vector / np.maximum(np.linalg.norm(vector, axis=-1, keepdims=True), 1e-12)
     return vector.astype(np.float32)
 
 

@@ -179,6 +179,8 @@ class ModelRunnerOutput:
     # A pooling model's step (nothing sampled): [len(seqs), 3, hidden] float32, per scheduled row
     # the sum of its fed tokens' final hidden states, the first one's and the last one's
     pooled: np.ndarray | None = None
+    # ALL pooling: [num_tokens, hidden] float32, every fed token's final hidden state, rows back to back
+    pooled_tokens: np.ndarray | None = None
 
 
 @runtime_checkable

@@ -74,8 +74,8 @@ def test_the_flag_overrides_the_folder_and_the_older_spelling(checkpoint, tmp_pa
     [
         (
             None,
-            {"task": "embed", "pooler_config": {"pooling_type": "ALL"}},
-            "pooling_type 'ALL' is not supported",
+            {"task": "embed", "pooler_config": {"pooling_type": "STEP"}},
+            "pooling_type 'STEP' is not supported",
         ),
         (
             None,

@@ -130,15 +130,15 @@ class Report:
 
 
 def programs_in_scope(
-    buckets: Buckets, scope: str, speculative: bool = False, pooling: bool = False
+    buckets: Buckets, scope: str, speculative: bool = False, pooling: str | None = None
 ) -> list[tuple[tuple[int, int], StepVariant]]:
     """The (bucket, variant) pairs to compile, smallest bucket first; the verify kind's only for
     an engine with speculative decoding (`speculative`), which is all that ever runs them; a
-    pooling model's engine (`pooling`) runs the pool kind alone."""
+    pooling model's engine runs its pool kind alone (`pooling`: "pool" or "pool_all")."""
     every = buckets.all()
     variants = [v for v in StepVariant.all() if speculative or v.kind == "generate"]
     if pooling:
-        variants = [StepVariant(kind="pool")]
+        variants = [StepVariant(kind=pooling)]
     ends = [every[0], every[-1]] if len(every) > 1 else every
     if scope == "all":
         return [(b, v) for b in every for v in variants]
@@ -251,7 +251,8 @@ def check(
     }
     resident = report.weight_bytes + report.kv_pool_bytes  # held while a sample program runs
     with pallas_target(chip):
-        pooling = mc.runner_type == "pooling"
+        pooler = mc.pooler_config
+        pooling = None if pooler is None else "pool_all" if pooler.pooling_type == "ALL" else "pool"
         for bucket, variant in programs_in_scope(
             layout.buckets, scope, layout.num_speculative_tokens > 0, pooling
         ):

@@ -287,6 +287,11 @@ def _resolved_pooling(params: PoolingParams, mc) -> PoolingParams:
             if other == "embed"
             else "This model is served for embeddings; classification needs a *ForSequenceClassification model."
         )
+    if pooler.pooling_type == "ALL" and params.task in ("embed", "score"):
+        raise ValueError(
+            "This model pools ALL (a vector per token): use encode (LLM.encode, /pooling); embeddings and "
+            "scores need one vector per prompt."
+        )
     if pooler.task == "classify":
         if params.dimensions is not None or params.normalize is not None:
             raise ValueError(

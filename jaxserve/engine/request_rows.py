@@ -156,9 +156,10 @@ def drop_outputs_after(req: Request, num_tokens: int) -> None:
     req.num_new_tokens -= dropped
 
 
-def add_pooled(req: Request, seq: ScheduledSeq, row) -> bool:
-    """A pooling request's row of a step ([3, width]: its chunk's sums) added to its own; whether
-    the chunk ended its prompt (a chunk from position 0 starts the sums over: a recomputed prompt)."""
+def add_pooled(req: Request, seq: ScheduledSeq, row, tokens=None) -> bool:
+    """A pooling request's row of a step ([3, width]: its chunk's sums; `tokens`: its tokens' rows,
+    ALL pooling) added to its own; whether the chunk ended its prompt (a chunk from position 0
+    starts them over: a recomputed prompt)."""
     ends = seq.start_pos + len(seq.token_ids) == req.num_prompt_tokens
-    req.pooled.add(row, seq.start_pos == 0, ends)
+    req.pooled.add(row, seq.start_pos == 0, ends, tokens)
     return ends

@@ -457,7 +457,7 @@ class Scheduler:
         # the requests as they were scheduled: one aborted since then is not a new one of the same id
         step = self._unreported.pop(id(scheduler_output), None)
         if runner_output.pooled is not None:
-            return self._add_pooled(scheduler_output, runner_output.pooled, now)
+            return self._add_pooled(scheduler_output, runner_output, now)
         if step is not None and len(step.sampled) == len(runner_output.req_ids):
             sampled = step.sampled  # its sampled requests, in the order of the output's rows
         else:  # (a runner output with fewer rows than the step sampled)
@@ -530,15 +530,17 @@ class Scheduler:
             updated.append(req)
         return updated
 
-    def _add_pooled(self, sched: SchedulerOutput, pooled, now: float) -> list[Request]:
-        """A pooling model's step: each row's sums added to its request's; a request whose last
-        prompt chunk this was ends (its vector is the OutputProcessor's to make)."""
-        updated = []
-        for seq, row in zip(sched.seqs, pooled):
+    def _add_pooled(self, sched: SchedulerOutput, out: ModelRunnerOutput, now: float) -> list[Request]:
+        """A pooling model's step: each row's sums (and tokens' rows) added to its request's; a
+        request whose last prompt chunk this was ends (its vector is the OutputProcessor's to make)."""
+        updated, end = [], 0
+        for seq, row in zip(sched.seqs, out.pooled):
+            start, end = end, end + len(seq.token_ids)
             req = self.requests.get(seq.request_id)
             if req is None or req.is_finished:
                 continue
-            if add_pooled(req, seq, row):
+            tokens = None if out.pooled_tokens is None else out.pooled_tokens[start:end]
+            if add_pooled(req, seq, row, tokens):
                 req.num_new_tokens, req.first_token_time = 0, now
                 self._finish(req, RequestStatus.FINISHED_STOPPED)
                 updated.append(req)

@@ -69,7 +69,9 @@ class ModelRunner:
         second engine on the same model and shapes then compiles nothing); None: a new one of
         this runner's own."""
         self.config = config
-        self.pooling = config.model_config.runner_type == "pooling"  # every step is the pool kind
+        pooler = config.model_config.pooler_config
+        self.pooling = pooler is not None  # every step is of the pool kind (with every token's rows for ALL)
+        self._pool = StepVariant(kind="pool_all" if self.pooling and pooler.pooling_type == "ALL" else "pool")
         self.step_cache = step_cache if step_cache is not None else StepCache()
         self.mesh = mesh or make_mesh(config.parallel_config.tensor_parallel_size)
         # The native CPU kernels (pallas_kernels/native.py), registered before any step is traced
@@ -176,7 +178,7 @@ class ModelRunner:
         """What start-up compiles for a bucket: the programs a request asking for no extra runs,
         the verify kind's too with speculative decoding (a pooling model: the pool kind alone)."""
         if self.pooling:
-            self._compile(bucket, _POOL)
+            self._compile(bucket, self._pool)
             return
         self._compile(bucket)
         if self.layout.num_speculative_tokens:
@@ -333,7 +335,7 @@ class ModelRunner:
         device runs the forward pass. `bitmask`: the mask already filled (how process 0 hands it
         to the others, which replay the call)."""
         bucket = self.ready_buckets.pick(sched.num_tokens, len(sched.seqs))
-        variant = _POOL if self.pooling else StepVariant.for_batch(sched)
+        variant = self._pool if self.pooling else StepVariant.for_batch(sched)
         if variant.with_token_bitmask and bitmask is None:
             bitmask = self._bitmask(bucket[1])
             if self.channel is not None:  # the others need the mask with the call: no overlap here
@@ -407,8 +409,13 @@ class ModelRunner:
         (not the padding), and each prompt's rows of prompt logprobs."""
         if result.pooled is not None:  # a pooling model's step: every row's sums, nothing sampled
             none = np.zeros(0, np.int32)
+            tokens = None if result.token_rows is None else result.token_rows[: sched.num_tokens]
             return ModelRunnerOutput(
-                (), none, none.astype(np.float32), pooled=result.pooled[: len(sched.seqs)]
+                (),
+                none,
+                none.astype(np.float32),
+                pooled=result.pooled[: len(sched.seqs)],
+                pooled_tokens=tokens,
             )
         rows = [i for i, s in enumerate(sched.seqs) if s.sampling is not None]
         num_sampled = None
@@ -437,9 +444,6 @@ class ModelRunner:
             prompt_logprobs=prompt,
             num_sampled=num_sampled,
         )
-
-
-_POOL = StepVariant(kind="pool")
 
 
 class DispatchedStep(NamedTuple):

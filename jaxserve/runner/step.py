@@ -61,17 +61,21 @@ class StepVariant:
     # The program's kind: "generate" samples one token per sequence; "verify" (speculative
     # decoding) samples at each proposed token too and keeps the samples that agree with the
     # proposals, plus one (BatchInputs' verify layout); "pool" (a pooling model's only kind)
-    # samples nothing and returns each row's pooled hidden states (`pool`; it takes no options).
+    # samples nothing and returns each row's pooled hidden states (`pool`; it takes no options);
+    # "pool_all" also every fed token's (ALL pooling).
     kind: str = "generate"
 
-    KINDS = ("generate", "verify", "pool")
+    KINDS = ("generate", "verify", "pool", "pool_all")
 
     @classmethod
     def all(cls) -> tuple[StepVariant, ...]:
         """Every variant, the plain one first: each sampling kind with each set of options, and
-        the pool kind."""
+        the pool kinds."""
         options = list(itertools.product((False, True), repeat=len(dataclasses.fields(cls)) - 1))
-        return (*(cls(*o, kind=kind) for kind in cls.KINDS[:2] for o in options), cls(kind="pool"))
+        return (
+            *(cls(*o, kind=kind) for kind in cls.KINDS[:2] for o in options),
+            *(cls(kind=k) for k in cls.KINDS[2:]),
+        )
 
     @classmethod
     def for_batch(cls, sched: SchedulerOutput) -> StepVariant:
@@ -102,9 +106,11 @@ class StepResult:
     prompt: TopLogprobs[jax.Array] | None
     # [num_seqs] int32, verify only: how many of each sequence's rows (from its first) are kept
     num_sampled: jax.Array | None = None
-    # [num_seqs, 3, hidden] float32, the pool kind only: per row, the sum of its fed tokens' final
+    # [num_seqs, 3, hidden] float32, the pool kinds only: per row, the sum of its fed tokens' final
     # hidden states, the one at its first fed token and the one at its last
     pooled: jax.Array | None = None
+    # [num_tokens, hidden] float32, pool_all only: every fed token's final hidden state
+    token_rows: jax.Array | None = None
 
 
 def forward(
@@ -230,12 +236,14 @@ def pool(
     inputs: BatchInputs | PackedBatch,
     *,
     graphdef: nnx.GraphDef,
-) -> tuple[jax.Array, jax.Array]:
+    all_rows: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """A pooling model's step: the layers over the batch (each prompt chunk's KV written for the
     chunks after it), then per row the sum of its tokens' final hidden states and those at its
     first and last token, float32 ([seq bucket, 3, hidden]), through the model's pooler head (a
     classifier's: [seq bucket, 3, num_labels]): all the host needs to finish a LAST, MEAN or CLS
-    pooling over chunks of any size (jaxserve/pooling_params.py PooledSums)."""
+    pooling over chunks of any size (jaxserve/pooling_params.py PooledSums); with `all_rows`, also
+    every token's ([num_tokens, hidden], ALL pooling)."""
     inputs = unpacked(inputs)
     model = nnx.merge(graphdef, state)
     lora = {} if inputs.lora_slots is None else {"lora_slots": inputs.lora_slots}
@@ -248,7 +256,7 @@ def pool(
     first = hidden[jnp.minimum(cu[:-1], n - 1)]
     last = hidden[jnp.maximum(cu[1:] - 1, 0)]
     rows = model.pooler_head(jnp.concatenate([total, first, last]))  # a classifier's logits
-    return kv_pool, jnp.stack(jnp.split(rows, 3), axis=1)
+    return kv_pool, jnp.stack(jnp.split(rows, 3), axis=1), hidden if all_rows else None
 
 
 def step(
@@ -264,15 +272,12 @@ def step(
 ) -> tuple[jax.Array, ProcessorState | None, jax.Array, StepResult]:
     """One step, fused: (kv_pool, processor state, sampled tokens padded like last_tokens,
     results). The keyword arguments are static (bind them before jit); the rest are traced."""
-    if variant.kind == "pool":
-        kv_pool, pooled = pool(state, kv_pool, inputs, graphdef=graphdef)
+    if variant.kind in ("pool", "pool_all"):
+        all_rows = variant.kind == "pool_all"
+        kv_pool, pooled, rows = pool(state, kv_pool, inputs, graphdef=graphdef, all_rows=all_rows)
         none = jnp.zeros(pooled.shape[0], jnp.int32)
-        return (
-            kv_pool,
-            processors,
-            last_tokens,
-            StepResult(none, none.astype(jnp.float32), None, None, None, pooled),
-        )
+        result = StepResult(none, none.astype(jnp.float32), None, None, None, pooled, rows)
+        return kv_pool, processors, last_tokens, result
     kv_pool, logits, prompt = forward(
         state,
         kv_pool,

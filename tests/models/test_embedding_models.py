@@ -57,6 +57,27 @@ def test_embeddings_match_transformers(qwen3, pooling_type):
         )
 
 
+def test_all_pooling_gives_every_tokens_vector(qwen3):
+    """ALL: each prompt's tokens' final hidden states, each normalized (through chunks of 16 and
+    a preemption); a request for one vector per prompt is refused."""
+    path, base = qwen3
+    kw = engine_kwargs(
+        max_num_batched_tokens=16, num_gpu_blocks_override=9, pooler_config={"pooling_type": "ALL"}
+    )
+    llm = LLM(path, runner="pooling", **kw)
+    tok = llm.get_tokenizer()
+    prompts = [PROMPTS[0] * 4, PROMPTS[1], PROMPTS[3] * 2]
+    for prompt, out in zip(prompts, llm.encode(prompts, use_tqdm=False)):
+        ids = tok.encode(prompt)
+        with torch.no_grad():
+            hidden = base(torch.tensor([ids])).last_hidden_state[0].double().numpy()
+        want = hidden / np.linalg.norm(hidden, axis=-1, keepdims=True)
+        assert out.outputs.data.shape == (len(ids), hidden.shape[1])
+        np.testing.assert_allclose(out.outputs.data, want, atol=2e-5)
+    with pytest.raises(ValueError, match="pools ALL \\(a vector per token\\)"):
+        llm.embed(PROMPTS[0], use_tqdm=False)
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_chunked_and_preempted_prompts_pool_the_same(qwen3, async_scheduling):
     """Prompts of 28-56 tokens in steps of 16 (chunks of every size) in a pool of 8 pages of 8 tokens

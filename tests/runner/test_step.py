@@ -22,10 +22,11 @@ GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, out
 
 def test_every_variant_once_the_plain_one_first():
     variants = StepVariant.all()
-    assert len(variants) == len(set(variants)) == 33  # two sampling kinds, four options; the pool kind
+    assert len(variants) == len(set(variants)) == 34  # two sampling kinds, four options; two pool kinds
     assert variants[0] == StepVariant()
-    assert {v.kind for v in variants} == {"generate", "verify", "pool"}
-    assert [v for v in variants if v.kind == "pool"] == [StepVariant(kind="pool")]  # it takes no options
+    assert {v.kind for v in variants} == {"generate", "verify", "pool", "pool_all"}
+    pooling = [v for v in variants if v.kind.startswith("pool")]
+    assert pooling == [StepVariant(kind="pool"), StepVariant(kind="pool_all")]  # they take no options
     assert (
         StepVariant(with_processor_state=True, with_top_logprobs=True, with_prompt_logprobs=True) in variants
     )
