@@ -182,7 +182,10 @@ def build_engine_config(args: EngineArgsFields) -> EngineConfig:
         # a prompt's mean or first token needs every token's hidden state: none comes from the cache
         cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)
         if is_encoder(model_config.hf_config):  # each token attends to the whole prompt: one step
-            if scheduler_config.max_num_batched_tokens < model_config.max_model_len:
+            batched, max_len = scheduler_config.max_num_batched_tokens, model_config.max_model_len
+            if batched < max_len and args.max_num_batched_tokens is None:  # (vLLM raises the default too)
+                scheduler_config = dataclasses.replace(scheduler_config, max_num_batched_tokens=max_len)
+            elif batched < max_len:
                 raise ValueError(
                     f"An encoder runs a prompt whole in one step: max_num_batched_tokens "
                     f"({scheduler_config.max_num_batched_tokens}) must be >= max_model_len ({model_config.max_model_len})."

@@ -71,8 +71,9 @@ def runner_and_pooler(args, path: str, hf_config: Mapping) -> tuple[str, PoolerC
 
 
 def is_encoder(hf_config: Mapping) -> bool:
-    """A BERT-style encoder (models/bert.py): bidirectional attention, prompts whole in one step."""
-    return hf_config.get("model_type") in ("bert", "roberta", "xlm-roberta")
+    """A BERT-style encoder (models/bert.py, models/modernbert.py): bidirectional attention,
+    prompts whole in one step."""
+    return hf_config.get("model_type") in ("bert", "roberta", "xlm-roberta", "modernbert")
 
 
 def is_classifier_architecture(hf_config: Mapping) -> bool:

@@ -173,14 +173,20 @@ def sequence_attention(
     v: jax.Array,  # [num_tokens, num_heads, head_dim]
     cu_q_lens: jax.Array,  # [num_seqs + 1] int32, sequence i's tokens are [cu[i], cu[i + 1])
     sm_scale: float,
+    positions: jax.Array | None = None,  # [num_tokens] int32, with `window`
+    window: int | jax.Array | None = None,  # a key further than this from the query's position is out
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]
     """An encoder's attention (BERT): every token attends to every token of its own sequence in
-    the batch, none of another, in float32. Dense over the step's tokens ([heads, tokens, tokens]
-    scores): an encoder's prompts are whole in one step and short (BERT's 512), and it keeps no
-    KV. Padding tokens attend among themselves (their rows are dropped)."""
+    the batch (within `window` positions of its own, ModernBERT's local layers), none of
+    another's, in float32. Dense over the step's tokens ([heads, tokens, tokens] scores): an
+    encoder's prompts are whole in one step, and it keeps no KV. Padding tokens attend among
+    themselves (their rows are dropped)."""
     n = q.shape[0]
     seq = jnp.searchsorted(cu_q_lens, jnp.arange(n), side="right")
     scores = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32)) * sm_scale
-    scores = jnp.where((seq[:, None] == seq[None, :])[None], scores, -jnp.inf)
+    seen = seq[:, None] == seq[None, :]
+    if window is not None:
+        seen &= jnp.abs(positions[:, None] - positions[None, :]) <= window
+    scores = jnp.where(seen[None], scores, -jnp.inf)
     out = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v.astype(jnp.float32))
     return out.astype(q.dtype)

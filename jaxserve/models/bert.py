@@ -82,7 +82,7 @@ def encoder_max_len(hf: Mapping) -> int | None:
     first position; None for a model that is not one of these encoders."""
     if hf.get("model_type") in _ROBERTA:
         return hf["max_position_embeddings"] - hf.get("pad_token_id", 1) - 1
-    return hf["max_position_embeddings"] if hf.get("model_type") == "bert" else None
+    return hf["max_position_embeddings"] if hf.get("model_type") in ("bert", "modernbert") else None
 
 
 def bert_names(name: str, tensor: np.ndarray, args: OPTArgs) -> Iterator[tuple[str, np.ndarray]]:

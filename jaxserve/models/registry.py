@@ -17,6 +17,7 @@ from jaxserve.models.gemma import gemma2_args, gemma3_args, gemma_args
 from jaxserve.models.gpt2 import gpt2_args, gpt2_names
 from jaxserve.models.llama import LlamaArgs, LlamaForCausalLM
 from jaxserve.models.mixtral import mixtral_args, rename_experts
+from jaxserve.models.modernbert import ModernBertArgs, ModernBertModel
 from jaxserve.models.opt import OPTArgs, OPTForCausalLM, opt_names
 from jaxserve.models.phi3 import split_fused
 from jaxserve.models.qwen2 import qwen2_args
@@ -40,6 +41,7 @@ _REGISTRY: dict[str, ModelEntry] = {
     "BertForSequenceClassification": ModelEntry(OPTForCausalLM, bert_args, bert_names),
     "RobertaForSequenceClassification": ModelEntry(OPTForCausalLM, bert_args, bert_names),
     "XLMRobertaForSequenceClassification": ModelEntry(OPTForCausalLM, bert_args, bert_names),
+    "ModernBertModel": ModelEntry(ModernBertModel, ModernBertArgs.from_hf),
     "GemmaForCausalLM": ModelEntry(LlamaForCausalLM, gemma_args),
     "Gemma2ForCausalLM": ModelEntry(LlamaForCausalLM, gemma2_args),
     "Gemma3ForCausalLM": ModelEntry(LlamaForCausalLM, gemma3_args),
