@@ -237,3 +237,32 @@ async def test_a_cross_encoder_scores_and_reranks_pairs_read_together(tmp_path):
             body = await r.json()
         assert [x["index"] for x in body["results"]] == sorted(range(3), key=lambda i: -want[i])
     await server.close()
+
+
+async def test_cohere_embed(base_url, embedder):
+    """Cohere's /v2/embed: float and base64 encodings of the same vectors; truncate END keeps a long
+    text's first tokens, START its last, NONE refuses it."""
+    tok = embedder[0].tokenizer
+    long_text = " ".join(TEXTS * 4)
+    long_ids = tok.encode(long_text)
+    assert len(long_ids) > 40
+    async with ClientSession() as http:
+
+        async def post(body):
+            async with http.post(base_url + "v2/embed", json=body) as r:
+                return r.status, await r.json()
+
+        status, body = await post(
+            {"texts": TEXTS, "embedding_types": ["float", "base64"], "input_type": "search_query"}
+        )
+        assert status == 200 and body["response_type"] == "embeddings_by_type" and body["texts"] == TEXTS
+        for text, floats, packed in zip(TEXTS, body["embeddings"]["float"], body["embeddings"]["base64"]):
+            assert_vectors_close(floats, expected(embedder, tok.encode(text)))
+            np.testing.assert_array_equal(np.frombuffer(base64.b64decode(packed), "<f4"), np.float32(floats))
+        assert body["meta"]["billed_units"]["input_tokens"] == sum(len(tok.encode(t)) for t in TEXTS)
+        for truncate, ids in (("END", long_ids[:40]), ("START", long_ids[-40:])):
+            status, body = await post({"texts": [long_text], "truncate": truncate})
+            assert status == 200, body
+            assert_vectors_close(body["embeddings"]["float"][0], expected(embedder, ids))
+        status, body = await post({"texts": [long_text], "truncate": "NONE"})
+        assert status == 400 and "maximum context length" in body["error"]["message"]

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.fuzz
 schema = schemathesis.openapi.from_dict(openapi_document())
 schema.config.generation.update(modes=list(GenerationMode), max_examples=25)
 pooling_schema = schemathesis.openapi.from_dict(openapi_document()).include(
-    path_regex="^/(v1/embeddings|pooling|classify|v1/score|score|rerank|v1/rerank|v2/rerank)$"
+    path_regex="^/(v1/embeddings|pooling|v2/embed|classify|v1/score|score|rerank|v1/rerank|v2/rerank)$"
 )
 pooling_schema.config.generation.update(modes=list(GenerationMode), max_examples=25)
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]

@@ -35,6 +35,7 @@ from jaxserve.entrypoints.openai.json_body import read_json_object
 from jaxserve.entrypoints.openai.openapi import openapi_document
 from jaxserve.entrypoints.openai.pooling_protocol import (
     ClassificationRequest,
+    CohereEmbedRequest,
     EmbeddingRequest,
     PoolingRequest,
 )
@@ -124,6 +125,7 @@ class _Routes:
         r.add_get(prefix + "/v1/responses/{response_id}", self.retrieve_response)
         r.add_post(prefix + "/v1/embeddings", self.embeddings)
         r.add_post(prefix + "/pooling", self.pooled)
+        r.add_post(prefix + "/v2/embed", self.cohere_embed)
         r.add_post(prefix + "/classify", self.classify)
         r.add_post(prefix + "/score", self.score)
         r.add_post(prefix + "/v1/score", self.score)
@@ -244,6 +246,9 @@ class _Routes:
 
     async def embeddings(self, request: web.Request) -> web.Response:
         return await self.pooling.create(await _parse(request, EmbeddingRequest), request, "embedding")
+
+    async def cohere_embed(self, request: web.Request) -> web.Response:
+        return await self.pooling.cohere_embed(await _parse(request, CohereEmbedRequest), request)
 
     async def pooled(self, request: web.Request) -> web.Response:
         return await self.pooling.create(await _parse(request, PoolingRequest), request, "pooling")

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from jaxserve import __version__
 from jaxserve.entrypoints.openai.pooling_protocol import (
     ClassificationRequest,
+    CohereEmbedRequest,
     EmbeddingRequest,
     PoolingRequest,
 )
@@ -54,6 +55,7 @@ def _answers(*content_types: str, errors: tuple[str, ...] = ()) -> dict:
 _JSON_POSTS = (
     ("/v1/embeddings", "Create embeddings", EmbeddingRequest),
     ("/pooling", "Pooling", PoolingRequest),
+    ("/v2/embed", "Embed (Cohere)", CohereEmbedRequest),
     ("/classify", "Classify", ClassificationRequest),
     ("/score", "Score", ScoreRequest),
     ("/v1/score", "Score", ScoreRequest),

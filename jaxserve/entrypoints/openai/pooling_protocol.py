@@ -75,3 +75,24 @@ class ClassificationRequest(EmbeddingRequest):
         if self.dimensions is not None or self.normalize is not None:
             raise bad_request("dimensions and normalize apply to embeddings, not to /classify.", "dimensions")
         return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens, task=task)
+
+
+class CohereEmbedRequest(OpenAIBaseModel):
+    """Cohere's POST /v2/embed: `texts`, the encodings wanted (`embedding_types`: float, base64), and
+    where an over-long text is cut (`truncate`: END drops its end, START its start, NONE refuses it)."""
+
+    model: str | None = None
+    texts: list[str] = Field(min_length=1)
+    input_type: str | None = None  # Cohere's hint for its own models (search_query, ...): no effect here
+    embedding_types: list[Literal["float", "base64"]] = Field(default_factory=lambda: ["float"], min_length=1)
+    truncate: Literal["NONE", "START", "END"] = "END"
+    output_dimension: int | None = None
+    priority: int = 0
+    request_id: str | None = None
+
+    def to_pooling_params(self) -> PoolingParams:
+        return PoolingParams(
+            dimensions=self.output_dimension,
+            truncate_prompt_tokens=-1 if self.truncate == "START" else None,
+            task="embed",
+        )

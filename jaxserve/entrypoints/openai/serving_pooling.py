@@ -1,4 +1,5 @@
-"""POST /v1/embeddings and POST /pooling: each input's pooled vector from a pooling model; POST
+"""POST /v1/embeddings and POST /pooling (and Cohere's POST /v2/embed): each input's pooled vector
+from a pooling model; POST
 /classify: a classifier's probabilities; POST /score and /rerank (also /v1/rerank, /v2/rerank):
 pairs of texts scored by a cross-encoder, or by the cosine similarity of their embeddings.
 
@@ -15,7 +16,12 @@ import numpy as np
 from aiohttp import web
 
 from jaxserve.engine.tracing import trace_headers
-from jaxserve.entrypoints.openai.pooling_protocol import ClassificationRequest, EmbeddingRequest, encoded
+from jaxserve.entrypoints.openai.pooling_protocol import (
+    ClassificationRequest,
+    CohereEmbedRequest,
+    EmbeddingRequest,
+    encoded,
+)
 from jaxserve.entrypoints.openai.protocol import TokenizeChatRequest, now
 from jaxserve.entrypoints.openai.score_protocol import RerankRequest, ScoreRequest
 from jaxserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt
@@ -42,6 +48,29 @@ class OpenAIServingPooling(OpenAIServing):
             for i, out in enumerate(finals)
         ]
         return web.json_response(self._answer(request_id, model, {"data": data}, finals))
+
+    async def cohere_embed(self, body: CohereEmbedRequest, raw: web.Request) -> web.Response:
+        """Cohere's /v2/embed: the texts' embeddings in each encoding asked for."""
+        model = self.model_name(body.model)
+        request_id = self.request_id(raw, body, "embd")
+        prompts = [self.tokenize(t, True) for t in body.texts]
+        if body.truncate == "END":  # keep each text's first tokens
+            for p in prompts:
+                p["prompt_token_ids"] = p["prompt_token_ids"][: self.max_model_len]
+        finals = await self._pool(request_id, prompts, body.to_pooling_params(), body, model, raw)
+        embeddings = {
+            kind: [encoded(out.outputs.data, kind) for out in finals] for kind in body.embedding_types
+        }
+        tokens = sum(len(out.prompt_token_ids) for out in finals)
+        return web.json_response(
+            {
+                "id": request_id,
+                "embeddings": embeddings,
+                "texts": body.texts,
+                "meta": {"api_version": {"version": "2"}, "billed_units": {"input_tokens": tokens}},
+                "response_type": "embeddings_by_type",
+            }
+        )
 
     async def classify(self, body: ClassificationRequest, raw: web.Request) -> web.Response:
         """vLLM's /classify: each input's class probabilities and most likely label."""
