@@ -91,6 +91,9 @@ class PoolerConfig:
     task: str = "embed"
     labels: tuple[str, ...] = ()
     activation: bool = True
+    # a generative checkpoint served as a classifier of these tokens' logits (config.json's
+    # classifier_from_token: Qwen3-Reranker's ["no", "yes"]); its score head is built at load
+    classifier_tokens: tuple[str, ...] = ()
     dimensions: int | None = None  # a request's `dimensions` when it gives none
     matryoshka_dimensions: tuple[int, ...] | None = None
     is_matryoshka: bool = False

@@ -84,7 +84,11 @@ def is_classifier_architecture(hf_config: Mapping) -> bool:
 
 
 def classifier_labels(hf_config: Mapping) -> tuple[str, ...]:
-    """The classes in index order: config.json's id2label, else LABEL_0.. for num_labels."""
+    """The classes in index order: a classifier of tokens' own (two: one label, the second's
+    score); config.json's id2label; else LABEL_0.. for num_labels."""
+    tokens = hf_config.get("classifier_from_token")
+    if tokens:
+        return (tokens[1],) if len(tokens) == 2 else tuple(tokens)
     id2label = hf_config.get("id2label")
     if id2label:
         return tuple(str(id2label[k]) for k in sorted(id2label, key=int))
@@ -113,6 +117,7 @@ def _pooler_config(
     fields: dict = {"task": task}
     if task == "classify":
         fields.update(normalize=False, labels=classifier_labels(hf_config))
+        fields["classifier_tokens"] = tuple(hf_config.get("classifier_from_token") or ())
     if is_encoder(hf_config):
         fields["pooling_type"] = "CLS"  # BERT's [CLS] (vLLM's default for encoders)
     for module in st_modules or ():

@@ -267,6 +267,9 @@ def _read_buffers(model_config: ModelConfig, entry, args, flat: dict) -> dict[st
     tensors = _checkpoint_tensors(model_config, args)
     if entry.split_tensors is not None:
         tensors = (pair for name, t in tensors for pair in entry.split_tensors(name, t, args))
+    pooler = model_config.pooler_config
+    if pooler is not None and pooler.classifier_tokens:
+        tensors = _score_from_lm_head(tensors, model_config, args)
     for name, tensor in tensors:
         if name not in weight_map and "model." + name in weight_map:  # a base model's (Qwen3Model)
             name = "model." + name
@@ -371,3 +374,26 @@ def _restore_orbax(model_config, entry, args, abstract, mesh, expert_parallel):
         else:
             target[key].value = var.value
     return nnx.from_flat_state(target)
+
+
+def _score_from_lm_head(tensors, model_config: ModelConfig, args):
+    """A generative checkpoint served as a classifier of some of its tokens (config's
+    classifier_from_token, as vLLM takes it: Qwen3-Reranker's ["no", "yes"]): the score head is
+    those tokens' rows of the LM head (of the token embeddings when tied); for two tokens, one
+    label, the second's row less the first's (its sigmoid is the softmax of the two tokens' logits)."""
+    from jaxserve.loader.tokenizer import load_tokenizer
+
+    tokens = list(model_config.pooler_config.classifier_tokens)
+    tokenizer = load_tokenizer(model_config)
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens] if tokenizer is not None else [None]
+    if None in ids or tokenizer.unk_token_id in ids:
+        raise ValueError(f"classifier_from_token {tokens} are not all tokens of the model's vocabulary.")
+    tied = bool(model_config.hf_config.get("tie_word_embeddings", False))
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    for name, tensor in tensors:
+        if name == head:
+            rows = np.asarray(tensor)[ids]
+            yield "score.weight", rows[1:] - rows[:1] if len(ids) == 2 else rows
+            if not tied:
+                continue
+        yield name, tensor

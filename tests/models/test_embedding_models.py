@@ -361,3 +361,32 @@ def test_modernbert_matches_transformers(tmp_path):
             hidden = model(torch.tensor([prompt["prompt_token_ids"]])).last_hidden_state[0].double().numpy()
         for got, want in ((cls_out, hidden[0]), (mean_out, hidden.mean(0))):
             assert_vectors_close(got.outputs.embedding, want / np.linalg.norm(want))
+
+
+@pytest.mark.parametrize("tokens", [2, 3])
+def test_a_generative_model_as_a_classifier_of_its_tokens(qwen3, tokens):
+    """vLLM's Qwen3-Reranker recipe: --hf-overrides '{"architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["no", "yes"]}' scores a pair with the softmax of the two tokens' logits
+    (the sigmoid of their difference); with other counts, the tokens' logits are the classes."""
+    path, _ = qwen3
+    from transformers import AutoModelForCausalLM
+
+    causal = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    chosen = ["Ġthe", "Ġof", "Ġcapital"][:tokens]
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": chosen}
+    llm = LLM(path, hf_overrides=overrides, **engine_kwargs())
+    tok = llm.get_tokenizer()
+    ids = tok.convert_tokens_to_ids(chosen)
+    for doc in PROMPTS:
+        pair = tok(PROMPTS[0], doc)["input_ids"]
+        with torch.no_grad():
+            logits = causal(torch.tensor([pair])).logits[0, -1, ids].double().numpy()
+        if tokens == 2:
+            (out,) = llm.score(PROMPTS[0], doc, use_tqdm=False)
+            assert out.outputs.score == pytest.approx(np.exp(logits[1]) / np.exp(logits).sum(), abs=1e-6)
+        else:
+            (out,) = llm.classify({"prompt_token_ids": pair}, use_tqdm=False)
+            np.testing.assert_allclose(out.outputs.probs, np.exp(logits) / np.exp(logits).sum(), atol=1e-6)
+    bad = {**overrides, "classifier_from_token": ["Ġthe", "no-such-token"]}
+    with pytest.raises(ValueError, match="are not all tokens of the model's vocabulary"):
+        LLM(path, hf_overrides=bad, **engine_kwargs())
