@@ -18,6 +18,7 @@ from tiny_models import (
     make_classifier,
     make_encoder_checkpoint,
     make_family_checkpoint,
+    make_lora_adapter,
     make_tokenizer,
     make_wordpiece_tokenizer,
 )
@@ -390,3 +391,24 @@ def test_a_generative_model_as_a_classifier_of_its_tokens(qwen3, tokens):
     bad = {**overrides, "classifier_from_token": ["Ġthe", "no-such-token"]}
     with pytest.raises(ValueError, match="are not all tokens of the model's vocabulary"):
         LLM(path, hf_overrides=bad, **engine_kwargs())
+
+
+def test_embeddings_with_a_lora_adapter(tmp_path):
+    """An embedding model with a LoRA adapter per request: the adapter's vectors are peft's, the
+    base model's stay the base model's, in one batch."""
+    from jaxserve.lora.request import LoRARequest
+
+    model = make_family_checkpoint(tmp_path / "base", "qwen3")
+    peft_model = make_lora_adapter(
+        model, tmp_path / "adapter", 4, 8, ("q_proj", "v_proj", "down_proj"), seed=7
+    )
+    llm = LLM(str(tmp_path / "base"), runner="pooling", enable_lora=True, max_lora_rank=8, **engine_kwargs())
+    tok = llm.get_tokenizer()
+    lora = LoRARequest("adapter", 1, str(tmp_path / "adapter"))
+    outs = llm.embed(PROMPTS * 2, use_tqdm=False, lora_request=[lora] * len(PROMPTS) + [None] * len(PROMPTS))
+    adapted = peft_model.base_model.model.model  # (make_lora_adapter adapted a copy of `model`)
+    for i, (prompt, out) in enumerate(zip(PROMPTS * 2, outs)):
+        want = pooled_reference(adapted if i < len(PROMPTS) else model.model, tok.encode(prompt), "LAST")
+        assert_vectors_close(out.outputs.embedding, want)
+    for with_adapter, without in zip(outs[: len(PROMPTS)], outs[len(PROMPTS) :]):
+        assert np.abs(np.subtract(with_adapter.outputs.embedding, without.outputs.embedding)).max() > 1e-3
