@@ -195,9 +195,10 @@ class EngineArgsFields:
         G.MODEL,
         "auto",
         "What the model is served for (vLLM's older spelling of --runner / --convert): embed (or "
-        "embedding) serves it as an embedding model, classify (or score) a sequence classifier.",
+        "embedding) serves it as an embedding model, classify (or score) a sequence classifier, reward "
+        "a reward model.",
         choices=("auto", "generate", "embedding", "embed", "classify", "score", "reward", "transcription"),
-        supported=("auto", "generate", "embedding", "embed", "classify", "score"),
+        supported=("auto", "generate", "embedding", "embed", "classify", "score", "reward"),
     )
     runner: str = arg(
         G.MODEL,
@@ -211,17 +212,19 @@ class EngineArgsFields:
     convert: str = arg(
         G.MODEL,
         "auto",
-        "What a pooling runner makes of the model: embed (its final hidden states, pooled) or "
-        "classify (a *ForSequenceClassification checkpoint's score head over them). auto: the "
+        "What a pooling runner makes of the model: embed (its final hidden states, pooled), "
+        "classify (a *ForSequenceClassification checkpoint's score head over them) or reward (a row "
+        "per token: a reward head's, returned_token_ids' logits or the hidden states). auto: the "
         "checkpoint's own.",
         choices=("auto", "none", "embed", "classify", "reward", "mm_encoder_only"),
-        supported=("auto", "none", "embed", "classify"),
+        supported=("auto", "none", "embed", "classify", "reward"),
     )
     pooler_config: dict | str | None = arg(
         G.MODEL,
         None,
-        "JSON object: how a pooling model reduces a prompt (pooling_type LAST, MEAN, CLS or ALL; "
-        "normalize, dimensions; a classifier's activation), over the model's sentence-transformers files.",
+        "JSON object: how a pooling model reduces a prompt (pooling_type LAST, MEAN, CLS, ALL or STEP; "
+        "normalize, dimensions; a classifier's activation; a reward model's step_tag_id and "
+        "returned_token_ids), over the model's sentence-transformers files.",
     )
     override_pooler_config: dict | str | None = arg(
         G.MODEL, None, "vLLM's older name of --pooler-config (the two are merged, this one last)."

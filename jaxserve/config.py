@@ -87,13 +87,22 @@ class PoolerConfig:
     pooling_type: str = "LAST"
     normalize: bool = True
     # "embed": the pooled vector is the output; "classify": it is a score head's logits over
-    # `labels`, turned into probabilities (softmax; sigmoid for one label) when `activation`
+    # `labels`, turned into probabilities (softmax; sigmoid for one label) when `activation`;
+    # "reward": every token's row (ALL) or the step tags' (STEP) through the model's head, a
+    # softmax over each row's labels when `activation` (no head, no labels: the hidden states)
     task: str = "embed"
     labels: tuple[str, ...] = ()
     activation: bool = True
     # a generative checkpoint served as a classifier of these tokens' logits (config.json's
     # classifier_from_token: Qwen3-Reranker's ["no", "yes"]); its score head is built at load
     classifier_tokens: tuple[str, ...] = ()
+    # a reward model's head: a hidden layer (ReLU) then the labels' projection, both with biases
+    # (Qwen2ForRewardModel's); or, for a generative checkpoint, these tokens' rows of its LM head
+    # (vLLM's returned_token_ids: math-shepherd's "+" / "-" logits at each step)
+    reward_hidden_layer: bool = False
+    score_token_ids: tuple[int, ...] = ()
+    step_tag_id: int | None = None  # STEP: the rows kept are at this prompt token (None: all)
+    returned_token_ids: tuple[int, ...] = ()  # STEP: the columns kept of a head's rows (all if empty)
     dimensions: int | None = None  # a request's `dimensions` when it gives none
     matryoshka_dimensions: tuple[int, ...] | None = None
     is_matryoshka: bool = False

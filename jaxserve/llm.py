@@ -97,7 +97,7 @@ class LLM:
             )
         if self.llm_engine.config.model_config.runner_type != "pooling":
             raise ValueError(
-                f"LLM.{pooling_task if pooling_task in ('embed', 'classify') else 'encode'} needs a pooling "
+                f"LLM.{pooling_task if pooling_task in ('embed', 'classify', 'reward') else 'encode'} needs a pooling "
                 "model (--runner pooling); this one is served for generation."
             )
         if pooling_params is None:
@@ -114,6 +114,11 @@ class LLM:
         classifier (a *ForSequenceClassification checkpoint). Keywords as encode's."""
         outs = self.encode(prompts, pooling_params, pooling_task="classify", **kwargs)
         return [o.as_classification() for o in outs]
+
+    def reward(self, prompts, pooling_params=None, **kwargs) -> list[PoolingRequestOutput]:
+        """vLLM's LLM.reward: a reward model's rows for each prompt (`outputs.data`, [rows, labels]):
+        one per token (ALL) or per step tag (STEP). Keywords as encode's."""
+        return self.encode(prompts, pooling_params, pooling_task="reward", **kwargs)
 
     def score(
         self,

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from jaxserve.config import PoolerConfig
 from jaxserve.flags import as_dict
-from jaxserve.pooling_params import POOLING_TYPES
+from jaxserve.pooling_params import POOLING_TYPES, TOKENWISE_TYPES
 
 # sentence-transformers module types that jaxserve applies (the transformer itself, the pooling,
 # the normalization); any other (Dense projections, ...) changes the vector and is refused.
@@ -31,15 +31,30 @@ _ST_POOLING = {
 _FLAG_KEYS = {
     "embed": ("pooling_type", "normalize", "dimensions"),
     "classify": ("pooling_type", "activation", "use_activation", "softmax"),
+    "reward": (
+        "pooling_type",
+        "step_tag_id",
+        "returned_token_ids",
+        "activation",
+        "use_activation",
+        "softmax",
+    ),
 }
 # --task values that ask for a pooling model, and what it pools for
-_TASKS = {"embed": "embed", "embedding": "embed", "classify": "classify", "score": "classify"}
+_TASKS = {
+    "embed": "embed",
+    "embedding": "embed",
+    "classify": "classify",
+    "score": "classify",
+    "reward": "reward",
+}
 
 
 def runner_and_pooler(args, path: str, hf_config: Mapping) -> tuple[str, PoolerConfig | None]:
     """("generate", None) or ("pooling", the resolved PoolerConfig); ValueError naming the flag."""
     runner, convert = args.runner, args.convert
     classifier = is_classifier_architecture(hf_config)
+    reward = is_reward_architecture(hf_config)
     if args.task in _TASKS:
         wanted = _TASKS[args.task]
         if runner == "generate" or convert not in ("auto", wanted):
@@ -47,7 +62,7 @@ def runner_and_pooler(args, path: str, hf_config: Mapping) -> tuple[str, PoolerC
         runner, convert = "pooling", wanted
     st_modules = _st_modules(path)
     if runner == "auto":
-        pooling = (convert in _FLAG_KEYS or st_modules is not None or classifier
+        pooling = (convert in _FLAG_KEYS or st_modules is not None or classifier or reward
                    or is_base_architecture(hf_config))  # fmt: skip
         runner = "pooling" if pooling else "generate"
     if runner == "generate":
@@ -58,14 +73,15 @@ def runner_and_pooler(args, path: str, hf_config: Mapping) -> tuple[str, PoolerC
         if args.pooler_config or args.override_pooler_config:
             raise ValueError("--pooler-config needs a pooling model (--runner pooling); this one generates.")
         return "generate", None
-    task = "classify" if classifier else "embed"
-    if convert == "none" and not (classifier or is_base_architecture(hf_config)):
+    task = "classify" if classifier else "reward" if reward or convert == "reward" else "embed"
+    if convert == "none" and not (classifier or reward or is_base_architecture(hf_config)):
         raise ValueError("--runner pooling --convert none needs a pooling architecture (a base model's, "
                          "e.g. Qwen3Model); --convert embed serves a generative one for embeddings.")  # fmt: skip
     if convert not in ("auto", "none", task):
         raise ValueError(
             f"--convert {convert} of a {hf_config.get('architectures', ['?'])[0]} checkpoint is not supported "
-            f"by jaxserve: it serves {task} (classify needs a *ForSequenceClassification checkpoint's score head)."
+            f"by jaxserve: it serves {task} (classify needs a *ForSequenceClassification checkpoint's score head, "
+            "embed a checkpoint without a head of its own)."
         )
     return "pooling", _pooler_config(args, path, hf_config, st_modules, task)
 
@@ -81,6 +97,13 @@ def is_classifier_architecture(hf_config: Mapping) -> bool:
     score head."""
     archs = hf_config.get("architectures") or []
     return bool(archs) and archs[0].endswith("ForSequenceClassification")
+
+
+def is_reward_architecture(hf_config: Mapping) -> bool:
+    """A reward model with a head of its own (Qwen2ForRewardModel: a reward per token;
+    Qwen2ForProcessRewardModel: two labels per reasoning step)."""
+    archs = hf_config.get("architectures") or []
+    return bool(archs) and archs[0].endswith(("ForRewardModel", "ForProcessRewardModel"))
 
 
 def classifier_labels(hf_config: Mapping) -> tuple[str, ...]:
@@ -119,7 +142,16 @@ def _pooler_config(
         fields.update(normalize=False, labels=classifier_labels(hf_config))
         fields["classifier_tokens"] = tuple(hf_config.get("classifier_from_token") or ())
     if is_encoder(hf_config):
+        if task == "reward":
+            raise ValueError("An encoder is not served as a reward model: reward models are decoders.")
         fields["pooling_type"] = "CLS"  # BERT's [CLS] (vLLM's default for encoders)
+    if task == "reward":  # vLLM's defaults: a process reward model scores steps, others every token
+        process = hf_config["architectures"][0].endswith("ForProcessRewardModel")
+        fields["pooling_type"] = "STEP" if process else "ALL"
+        if is_reward_architecture(hf_config):
+            fields.update(
+                reward_hidden_layer=True, labels=("LABEL_0", "LABEL_1") if process else ("LABEL_0",)
+            )
     for module in st_modules or ():
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         if kind not in _ST_MODULES:
@@ -151,6 +183,12 @@ def _pooler_config(
             f"supported: {', '.join(POOLING_TYPES)}."
         )
     fields["pooling_type"] = str(fields.get("pooling_type", "LAST")).upper()
+    if task == "reward" and fields["pooling_type"] not in TOKENWISE_TYPES:
+        raise ValueError("A reward model pools a row per token: pooling_type ALL or STEP.")
+    if task != "reward" and fields["pooling_type"] == "STEP":
+        raise ValueError("pooling_type STEP is for reward models (--convert reward).")
+    if task == "reward":
+        _reward_fields(fields, hf_config)
     if task == "classify" and fields["pooling_type"] == "ALL":
         raise ValueError(
             "A classifier scores one vector per prompt: pooling_type ALL is for embedding models."
@@ -161,6 +199,34 @@ def _pooler_config(
     fields["matryoshka_dimensions"] = tuple(dims) if dims else None
     fields["is_matryoshka"] = bool(dims) or bool(hf_config.get("is_matryoshka"))
     return PoolerConfig(**fields)
+
+
+def _reward_fields(fields: dict, hf_config: Mapping) -> None:
+    """A reward model's STEP keys checked, and where its rows come from: its own head's labels,
+    the LM head's rows of returned_token_ids (a generative checkpoint), or the hidden states."""
+    step_keys = [k for k in ("step_tag_id", "returned_token_ids") if fields.get(k) is not None]
+    if step_keys and fields["pooling_type"] != "STEP":
+        raise ValueError(f"--pooler-config {', '.join(step_keys)} need pooling_type STEP.")
+    vocab = int(hf_config.get("vocab_size", 0))
+    step = fields.get("step_tag_id")
+    if step is not None and not (isinstance(step, int) and 0 <= step < vocab):
+        raise ValueError(
+            f"--pooler-config step_tag_id must be a token id of the model (0..{vocab - 1}), not {step!r}."
+        )
+    ids = fields.get("returned_token_ids") or ()
+    own = fields.get("reward_hidden_layer", False)
+    bound = len(fields.get("labels", ())) if own else vocab
+    if not isinstance(ids, list | tuple) or not all(isinstance(i, int) and 0 <= i < bound for i in ids):
+        what = (
+            f"labels of the model's head (0..{bound - 1})"
+            if own
+            else f"token ids of the model (0..{bound - 1})"
+        )
+        raise ValueError(f"--pooler-config returned_token_ids must be a list of {what}, not {ids!r}.")
+    fields["returned_token_ids"] = tuple(ids)
+    if ids and not own:  # the LM head's rows of those tokens become the head
+        fields.update(score_token_ids=tuple(ids), returned_token_ids=(), labels=tuple(map(str, ids)))
+    fields.setdefault("activation", len(fields.get("labels", ())) > 1)
 
 
 def _st_pooling_type(file: str) -> str:

@@ -5,7 +5,9 @@ each row it fed, the sum of the row's final hidden states and those at its first
 (runner/step.py, the pool kind); the Scheduler adds a prompt's chunks up on the request
 (`PooledSums`), and when the last chunk is back the engine turns them into the request's vector
 here: the pooler's reduction (LAST, MEAN, CLS), then `dimensions` (Matryoshka) and `normalize`
-for an embedding, or a classifier's activation over its score head's logits.
+for an embedding, or a classifier's activation over its score head's logits. ALL and STEP keep
+every token's row (through the model's head: a reward model's per-token rewards); STEP then keeps
+the rows at its step tag token (a process reward model's score per reasoning step).
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 
 # --pooler-config pooling types jaxserve computes (vLLM's names).
-POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
-# Pooling tasks a request may name (vLLM's): an embedding model serves embed, a classifier classify;
-# both serve encode (the pooled output as it is) and score (pairs of texts compared).
-POOLING_TASKS = ("embed", "classify", "encode", "score")
+POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL", "STEP")
+# those that keep a row per token (the step's pool_all kind)
+TOKENWISE_TYPES = ("ALL", "STEP")
+# Pooling tasks a request may name (vLLM's): an embedding model serves embed, a classifier classify,
+# a reward model reward (LLM.reward); all serve encode (the pooled output as it is); embedding models
+# and cross-encoders serve score (pairs of texts compared).
+POOLING_TASKS = ("embed", "classify", "reward", "encode", "score")
 
 
 @dataclass
@@ -65,8 +70,8 @@ class PooledSums:
             self.tokens.append(tokens)
 
     def vector(self, pooling_type: str, num_tokens: int) -> np.ndarray:
-        """[hidden] (ALL: [num_tokens, hidden])."""
-        if pooling_type == "ALL":
+        """[hidden] (ALL, STEP: [num_tokens, hidden])."""
+        if pooling_type in TOKENWISE_TYPES:
             return np.concatenate(self.tokens)
         if pooling_type == "MEAN":
             return self.total / num_tokens
@@ -101,6 +106,22 @@ def finish_classification(logits: np.ndarray, activation: bool) -> np.ndarray:
     return (e / e.sum()).astype(np.float32)
 
 
+def finish_reward(
+    rows: np.ndarray, token_ids, step_tag_id: int | None, columns: tuple[int, ...], activation: bool
+) -> np.ndarray:
+    """A reward model's per-token rows [tokens, labels] as vLLM's STEP pooler leaves them: the
+    `columns` kept (returned_token_ids), then only the rows at the step tag token (None: every
+    row), then a softmax over each row's labels when `activation`."""
+    if columns:
+        rows = rows[:, list(columns)]
+    if step_tag_id is not None:
+        rows = rows[np.asarray(token_ids) == step_tag_id]
+    if activation:
+        rows = np.exp(rows - rows.max(axis=-1, keepdims=True))
+        rows = rows / rows.sum(axis=-1, keepdims=True)
+    return rows.astype(np.float32)
+
+
 def score_pairs(first: str | list[str], second: str | list[str]) -> list[tuple[str, str]]:
     """The (first, second) texts scored: one text against each of several, or two lists pairwise;
     ValueError (naming vLLM's text_1 / text_2) otherwise."""
@@ -121,6 +142,10 @@ def is_cross_encoder(pooler) -> bool:
     """A pooling model scores pairs by reading them together: a classifier (config.PoolerConfig
     task classify), which must have a single label (its sigmoid is the score). An embedding model
     compares the two texts' embeddings instead."""
+    if pooler is not None and pooler.task == "reward":
+        raise ValueError(
+            "This model is served for rewards; scores need an embedding model or a cross-encoder."
+        )
     if pooler is None or pooler.task != "classify":
         return False
     if len(pooler.labels) != 1:

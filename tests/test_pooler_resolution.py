@@ -72,10 +72,33 @@ def test_the_flag_overrides_the_folder_and_the_older_spelling(checkpoint, tmp_pa
 @pytest.mark.parametrize(
     "st, flags, message",
     [
+        (None, {"task": "embed", "pooler_config": {"pooling_type": "STEP"}}, "STEP is for reward models"),
         (
             None,
-            {"task": "embed", "pooler_config": {"pooling_type": "STEP"}},
-            "pooling_type 'STEP' is not supported",
+            {"task": "embed", "pooler_config": {"pooling_type": "MAX"}},
+            "pooling_type 'MAX' is not supported",
+        ),
+        (None, {"convert": "reward", "pooler_config": {"pooling_type": "MEAN"}}, "pooling_type ALL or STEP"),
+        (
+            None,
+            {"convert": "reward", "pooler_config": {"step_tag_id": 3}},
+            "step_tag_id need pooling_type STEP",
+        ),
+        (
+            None,
+            {"convert": "reward", "pooler_config": {"pooling_type": "STEP", "step_tag_id": 512}},
+            r"step_tag_id must be a token id of the model \(0..511\)",
+        ),
+        (
+            None,
+            {"convert": "reward", "pooler_config": {"pooling_type": "STEP", "returned_token_ids": [1, 600]}},
+            "returned_token_ids must be a list of token ids of the model",
+        ),
+        (None, {"convert": "reward", "pooler_config": {"normalize": True}}, r"keys \['normalize'\] are not"),
+        (
+            None,
+            {"task": "reward", "convert": "embed"},
+            "--task reward asks for --runner pooling --convert reward",
         ),
         (
             None,
@@ -117,3 +140,30 @@ def test_refusals_name_what_is_wrong(checkpoint, tmp_path, st, flags, message):
     with pytest.raises(ValueError, match=message) as err:
         config(model, **flags)
     assert "\n" not in str(err.value)
+
+
+def test_reward_models(checkpoint, tmp_path):
+    """--convert reward (or --task reward) of a generative checkpoint: the hidden states of every
+    token, or with STEP and returned_token_ids those tokens' LM-head rows as a two-label head
+    (softmax on); a reward head of its own: its labels, and returned_token_ids index them."""
+    for flags in ({"convert": "reward"}, {"task": "reward"}, {"runner": "pooling", "convert": "reward"}):
+        pooler = config(checkpoint, **flags).model_config.pooler_config
+        assert pooler == PoolerConfig("ALL", task="reward", activation=False)
+    step = {"pooling_type": "step", "step_tag_id": 7, "returned_token_ids": [5, 9]}
+    pooler = config(checkpoint, convert="reward", pooler_config=step).model_config.pooler_config
+    assert pooler == PoolerConfig(
+        "STEP", task="reward", labels=("5", "9"), score_token_ids=(5, 9), step_tag_id=7, activation=True
+    )
+    model = tmp_path / "prm"
+    shutil.copytree(checkpoint, model)
+    hf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**hf, "architectures": ["Qwen2ForProcessRewardModel"]}))
+    pooler = config(str(model), pooler_config={"returned_token_ids": [1]}).model_config.pooler_config
+    assert pooler == PoolerConfig(
+        "STEP", task="reward", labels=("LABEL_0", "LABEL_1"), reward_hidden_layer=True,
+        returned_token_ids=(1,), activation=True,
+    )  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"returned_token_ids must be a list of labels of the model's head \(0..1\)"
+    ):
+        config(str(model), pooler_config={"returned_token_ids": [2]})

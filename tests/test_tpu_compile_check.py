@@ -74,7 +74,9 @@ NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
 DRAFT = "draft"  # a draft model: the same shape (no weights either)
 
 
-POOLING = "pooling"  # served as an embedding model: the pool kind's programs only
+# served as a process reward model from the LM head's rows of two tokens: the pool_all kind's
+# programs only (every token's row through that head, besides the rows' sums)
+POOLING = "pooling"
 
 
 @pytest.mark.parametrize(
@@ -88,7 +90,8 @@ def test_step_compiles_for_tpu_with_the_pallas_kernel(tmp_path, shape_dir, topol
     flags = ["--topology", topology, "-tp", str(tp), *SMALL, "--programs", "quick"]
     pooling = speculative == POOLING
     if pooling:
-        flags += ["--runner", "pooling"]
+        step = {"pooling_type": "STEP", "step_tag_id": 1, "returned_token_ids": [2, 3]}
+        flags += ["--convert", "reward", "--pooler-config", json.dumps(step)]
         speculative = None
     if speculative == DRAFT:
         speculative = json.dumps({"model": shape_dir, "num_speculative_tokens": 3})
@@ -100,7 +103,7 @@ def test_step_compiles_for_tpu_with_the_pallas_kernel(tmp_path, shape_dir, topol
     programs = report["programs"]
     expected = [((16, 16), "plain"), ((64, 16), "plain")] + [((16, 16), "verify")] * bool(speculative)
     if pooling:  # prompts pooled on the device: the pool kind, through the same kernel
-        expected = [((16, 16), "pool"), ((64, 16), "pool")]
+        expected = [((16, 16), "pool_all"), ((64, 16), "pool_all")]
     if speculative and "model" in speculative:  # the draft's program; its pool from the same budget
         expected.append(((16, 16), "draft"))
         assert report["draft_weight_bytes"] == report["weight_bytes"]

@@ -3,7 +3,9 @@ reference), and engine arguments sized for a 2-core CPU."""
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
@@ -312,3 +314,30 @@ def make_encoder_checkpoint(path, model_type: str = "bert", seed: int = 0, num_l
     model.eval().save_pretrained(path)
     tokenizer.save_pretrained(path)
     return model
+
+
+def make_reward_model(path, process: bool = False, seed: int = 5):
+    """A tiny random Qwen2ForRewardModel (or Qwen2ForProcessRewardModel): the Qwen2 layers, then
+    the reward head nn.Sequential(Linear(h, h), ReLU(), Linear(h, labels)) as the published
+    checkpoints' own code builds it (transformers has no class for them). Returns (the torch base
+    model, the head as float64 arrays (w0, b0, w2, b2))."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = make_family_checkpoint(path, "qwen2", seed=seed)
+    labels = 2 if process else 1
+    hidden = model.config.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    head = {
+        "score.0.weight": torch.randn(hidden, hidden, generator=gen) * 0.2,
+        "score.0.bias": torch.randn(hidden, generator=gen) * 0.2,
+        "score.2.weight": torch.randn(labels, hidden, generator=gen) * 0.5,
+        "score.2.bias": torch.randn(labels, generator=gen) * 0.5,
+    }
+    file = pathlib.Path(path) / "model.safetensors"
+    tensors = {k: v for k, v in load_file(file).items() if not k.startswith("lm_head")}
+    save_file({**tensors, **head}, file, metadata={"format": "pt"})
+    config = json.loads((pathlib.Path(path) / "config.json").read_text())
+    config["architectures"] = ["Qwen2ForProcessRewardModel" if process else "Qwen2ForRewardModel"]
+    (pathlib.Path(path) / "config.json").write_text(json.dumps(config))
+    return model.model, tuple(head[k].double().numpy() for k in head)

@@ -275,27 +275,37 @@ class InputProcessor:
         return out
 
 
+# the request tasks each kind of pooling model serves, and what a refusal says
+_SERVES = {
+    "embed": ("embed", "encode", "score"),
+    "classify": ("classify", "encode", "score"),
+    "reward": ("reward", "encode"),
+}
+_SERVED_FOR = {"embed": "embeddings", "classify": "classification", "reward": "rewards"}
+_NEEDS = {
+    "embed": "embeddings need an embedding model",
+    "classify": "classification needs a *ForSequenceClassification model",
+    "reward": "rewards need a reward model (--convert reward)",
+    "score": "scores need an embedding model or a cross-encoder",
+}
+
+
 def _resolved_pooling(params: PoolingParams, mc) -> PoolingParams:
     """The request's settings with the model's pooler defaults filled in; ValueError (vLLM's
     words) for dimensions the model was not trained to cut to or a truncation past its length."""
     pooler = mc.pooler_config
     name = mc.served_model_name[0] if mc.served_model_name else mc.model
-    other = {"embed": "classify", "classify": "embed"}[pooler.task]
-    if params.task == other:
-        raise ValueError(
-            "This model is served for classification; embeddings need an embedding model."
-            if other == "embed"
-            else "This model is served for embeddings; classification needs a *ForSequenceClassification model."
-        )
+    if params.task is not None and params.task not in _SERVES[pooler.task]:
+        raise ValueError(f"This model is served for {_SERVED_FOR[pooler.task]}; {_NEEDS[params.task]}.")
     if pooler.pooling_type == "ALL" and params.task in ("embed", "score"):
         raise ValueError(
             "This model pools ALL (a vector per token): use encode (LLM.encode, /pooling); embeddings and "
             "scores need one vector per prompt."
         )
-    if pooler.task == "classify":
+    if pooler.task in ("classify", "reward"):
         if params.dimensions is not None or params.normalize is not None:
             raise ValueError(
-                "dimensions and normalize apply to embeddings; this model is served for classification."
+                f"dimensions and normalize apply to embeddings; this model is served for {_SERVED_FOR[pooler.task]}."
             )
         activation = pooler.activation if params.use_activation is None else params.use_activation
         return params.clone(use_activation=activation, truncate_prompt_tokens=_truncation(params, mc))

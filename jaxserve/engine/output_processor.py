@@ -20,7 +20,7 @@ from jaxserve.engine.parent_request import ParentRequest
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.stats import FinishedRequestStats, IterationStats
 from jaxserve.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput
-from jaxserve.pooling_params import finish_classification, finish_embedding
+from jaxserve.pooling_params import finish_classification, finish_embedding, finish_reward
 from jaxserve.scheduler_output import TopLogprobs
 
 
@@ -185,6 +185,14 @@ class OutputProcessor:
             vector = req.pooled.vector(pooler.pooling_type, req.num_prompt_tokens)
             if pooler.task == "classify":
                 data = finish_classification(vector, params.use_activation)
+            elif pooler.task == "reward":
+                data = finish_reward(
+                    vector,
+                    req.prompt_token_ids,
+                    pooler.step_tag_id,
+                    pooler.returned_token_ids,
+                    params.use_activation,
+                )
             else:
                 data = finish_embedding(vector, params.dimensions, params.normalize)
         return PoolingRequestOutput(

@@ -47,8 +47,15 @@ def build_model_args(
         args = dataclasses.replace(args, lora=lora)
     if model_config.runner_type == "pooling":  # pooling reads the final hidden states: no LM head
         args = dataclasses.replace(args, tie_word_embeddings=True)
-        if model_config.pooler_config.task == "classify":  # a score head over them instead
-            args = dataclasses.replace(args, num_labels=len(model_config.pooler_config.labels))
+        pooler = model_config.pooler_config
+        if pooler.labels:  # a score head over them instead (a classifier's, a reward model's)
+            if pooler.task == "reward" and not hasattr(args, "reward_hidden_layer"):
+                raise ValueError(
+                    f"{type(args).__name__[:-4]} models are not served as reward models by jaxserve."
+                )
+            args = dataclasses.replace(args, num_labels=len(pooler.labels))
+        if pooler.reward_hidden_layer:
+            args = dataclasses.replace(args, reward_hidden_layer=True)
     formats = checkpoint_kernel_formats(model_config, args)
     if formats:  # projections served in the checkpoint's own quantized values
         formats = {hf.split(".")[-1]: fmt for hf, fmt in formats.items()}
@@ -268,7 +275,7 @@ def _read_buffers(model_config: ModelConfig, entry, args, flat: dict) -> dict[st
     if entry.split_tensors is not None:
         tensors = (pair for name, t in tensors for pair in entry.split_tensors(name, t, args))
     pooler = model_config.pooler_config
-    if pooler is not None and pooler.classifier_tokens:
+    if pooler is not None and (pooler.classifier_tokens or pooler.score_token_ids):
         tensors = _score_from_lm_head(tensors, model_config, args)
     for name, tensor in tensors:
         if name not in weight_map and "model." + name in weight_map:  # a base model's (Qwen3Model)
@@ -380,20 +387,23 @@ def _score_from_lm_head(tensors, model_config: ModelConfig, args):
     """A generative checkpoint served as a classifier of some of its tokens (config's
     classifier_from_token, as vLLM takes it: Qwen3-Reranker's ["no", "yes"]): the score head is
     those tokens' rows of the LM head (of the token embeddings when tied); for two tokens, one
-    label, the second's row less the first's (its sigmoid is the softmax of the two tokens' logits)."""
+    label, the second's row less the first's (its sigmoid is the softmax of the two tokens' logits).
+    A reward model's returned_token_ids (token ids already): their rows as they are."""
     from jaxserve.loader.tokenizer import load_tokenizer
 
     tokens = list(model_config.pooler_config.classifier_tokens)
-    tokenizer = load_tokenizer(model_config)
-    ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens] if tokenizer is not None else [None]
-    if None in ids or tokenizer.unk_token_id in ids:
-        raise ValueError(f"classifier_from_token {tokens} are not all tokens of the model's vocabulary.")
+    ids = list(model_config.pooler_config.score_token_ids)
+    if tokens:
+        tokenizer = load_tokenizer(model_config)
+        ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens] if tokenizer is not None else [None]
+        if None in ids or tokenizer.unk_token_id in ids:
+            raise ValueError(f"classifier_from_token {tokens} are not all tokens of the model's vocabulary.")
     tied = bool(model_config.hf_config.get("tie_word_embeddings", False))
     head = "model.embed_tokens.weight" if tied else "lm_head.weight"
     for name, tensor in tensors:
         if name == head:
             rows = np.asarray(tensor)[ids]
-            yield "score.weight", rows[1:] - rows[:1] if len(ids) == 2 else rows
+            yield "score.weight", rows[1:] - rows[:1] if len(tokens) == 2 else rows
             if not tied:
                 continue
         yield name, tensor

@@ -89,6 +89,8 @@ class LlamaArgs:
     # LoRA: the adapters' device slots (their count, rank, biases, sharding); None: no LoRA
     lora: LoRAConfig | None = None
     num_labels: int = 0  # a sequence classifier's classes: its score head's outputs (0: none)
+    # the score head is a reward model's: a hidden layer (ReLU) before it, both with biases
+    reward_hidden_layer: bool = False
 
     @classmethod
     def from_hf(cls, hf: Mapping, max_model_len: int) -> LlamaArgs:
@@ -221,6 +223,10 @@ class LlamaForCausalLM(CausalLM):
             self.lm_head = _param(rngs, (a.hidden_size, a.vocab_size), ("embed", "vocab"), dtype)
         if a.num_labels:
             self.score = _param(rngs, (a.hidden_size, a.num_labels), ("embed", "labels"), dtype)
+        if a.num_labels and a.reward_hidden_layer:
+            self.score_hidden = _param(rngs, (a.hidden_size, a.hidden_size), ("embed", "labels"), dtype)
+            self.score_hidden_bias = _param(rngs, (a.hidden_size,), ("labels",), dtype, "zeros")
+            self.score_bias = _param(rngs, (a.num_labels,), ("labels",), dtype, "zeros")
 
     def hidden_states(
         self,
@@ -308,6 +314,11 @@ class LlamaForCausalLM(CausalLM):
     def pooler_head(self, x: jax.Array) -> jax.Array:
         if not self.args.num_labels:
             return x
+        if self.args.reward_hidden_layer:
+            x = jnp.dot(x, self.score_hidden.value.astype(x.dtype), preferred_element_type=jnp.float32)
+            x = jax.nn.relu(x + self.score_hidden_bias.value)
+            out = jnp.dot(x, self.score.value.astype(x.dtype), preferred_element_type=jnp.float32)
+            return out + self.score_bias.value
         return jnp.dot(x, self.score.value.astype(x.dtype), preferred_element_type=jnp.float32)
 
     def compute_logits(self, x: jax.Array) -> jax.Array:
@@ -333,7 +344,12 @@ class LlamaForCausalLM(CausalLM):
         }
         if not args.tie_word_embeddings:
             table["lm_head.weight"] = ("lm_head", None, True)
-        if args.num_labels:
+        if args.num_labels and args.reward_hidden_layer:  # nn.Sequential(Linear, ReLU, Linear)
+            table["score.0.weight"] = ("score_hidden", None, True)
+            table["score.0.bias"] = ("score_hidden_bias", None, False)
+            table["score.2.weight"] = ("score", None, True)
+            table["score.2.bias"] = ("score_bias", None, False)
+        elif args.num_labels:
             table["score.weight"] = ("score", None, True)
         per_layer = {"input_layernorm.weight": ("input_norm", False)}
         if args.sandwich_norms:  # Gemma 2/3 name their norms after where they sit

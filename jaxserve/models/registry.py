@@ -52,6 +52,9 @@ _REGISTRY: dict[str, ModelEntry] = {
     "OPTForCausalLM": ModelEntry(OPTForCausalLM, OPTArgs.from_hf, opt_names),
     "Phi3ForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf, split_fused),
     "Qwen2ForCausalLM": ModelEntry(LlamaForCausalLM, qwen2_args),
+    # reward models (served for pooling: a reward head over each token; config.PoolerConfig)
+    "Qwen2ForRewardModel": ModelEntry(LlamaForCausalLM, qwen2_args),
+    "Qwen2ForProcessRewardModel": ModelEntry(LlamaForCausalLM, qwen2_args),
     "Qwen3ForCausalLM": ModelEntry(LlamaForCausalLM, qwen3_args),
     "Qwen3MoeForCausalLM": ModelEntry(LlamaForCausalLM, qwen3_moe_args, split_stacked_experts),
 }

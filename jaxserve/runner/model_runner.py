@@ -32,6 +32,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.layers.linear import tile_q4_stacks
 from jaxserve.loader.model_loader import build_model_args, load_model
 from jaxserve.lora.adapter import LoRAAdapter
+from jaxserve.pooling_params import TOKENWISE_TYPES
 from jaxserve.runner import batch as batch_lib
 from jaxserve.runner import executable_cache, kv_scales
 from jaxserve.runner import sleep as sleep_mode
@@ -71,7 +72,9 @@ class ModelRunner:
         self.config = config
         pooler = config.model_config.pooler_config
         self.pooling = pooler is not None  # every step is of the pool kind (with every token's rows for ALL)
-        self._pool = StepVariant(kind="pool_all" if self.pooling and pooler.pooling_type == "ALL" else "pool")
+        self._pool = StepVariant(
+            kind="pool_all" if self.pooling and pooler.pooling_type in TOKENWISE_TYPES else "pool"
+        )
         self.step_cache = step_cache if step_cache is not None else StepCache()
         self.mesh = mesh or make_mesh(config.parallel_config.tensor_parallel_size)
         # The native CPU kernels (pallas_kernels/native.py), registered before any step is traced

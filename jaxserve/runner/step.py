@@ -243,7 +243,7 @@ def pool(
     first and last token, float32 ([seq bucket, 3, hidden]), through the model's pooler head (a
     classifier's: [seq bucket, 3, num_labels]): all the host needs to finish a LAST, MEAN or CLS
     pooling over chunks of any size (jaxserve/pooling_params.py PooledSums); with `all_rows`, also
-    every token's ([num_tokens, hidden], ALL pooling)."""
+    every token's through the head ([num_tokens, hidden or labels], ALL and STEP pooling)."""
     inputs = unpacked(inputs)
     model = nnx.merge(graphdef, state)
     lora = {} if inputs.lora_slots is None else {"lora_slots": inputs.lora_slots}
@@ -256,7 +256,8 @@ def pool(
     first = hidden[jnp.minimum(cu[:-1], n - 1)]
     last = hidden[jnp.maximum(cu[1:] - 1, 0)]
     rows = model.pooler_head(jnp.concatenate([total, first, last]))  # a classifier's logits
-    return kv_pool, jnp.stack(jnp.split(rows, 3), axis=1), hidden if all_rows else None
+    tokens = model.pooler_head(hidden) if all_rows else None  # a reward model's rows per token
+    return kv_pool, jnp.stack(jnp.split(rows, 3), axis=1), tokens
 
 
 def step(

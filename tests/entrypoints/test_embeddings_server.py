@@ -10,10 +10,11 @@ import re
 import numpy as np
 import openai
 import pytest
+import torch
 from aiohttp import ClientSession
 from aiohttp.test_utils import TestServer
 from reference_checks import assert_vectors_close, classifier_logits, pooled_reference
-from tiny_models import engine_kwargs, make_classifier, make_family_checkpoint
+from tiny_models import engine_kwargs, make_classifier, make_family_checkpoint, make_reward_model
 
 from jaxserve.args import EngineArgs
 from jaxserve.engine.async_engine import AsyncLLMEngine
@@ -236,6 +237,43 @@ async def test_a_cross_encoder_scores_and_reranks_pairs_read_together(tmp_path):
         ) as r:
             body = await r.json()
         assert [x["index"] for x in body["results"]] == sorted(range(3), key=lambda i: -want[i])
+    await server.close()
+
+
+async def test_a_process_reward_model_over_pooling(tmp_path):
+    """/pooling over a process reward model: each step tag's two-label probabilities (logits with
+    use_activation false), in floats or base64; the endpoints of other tasks are 400s naming it."""
+    base, (w0, b0, w2, b2) = make_reward_model(tmp_path, process=True)
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tmp_path), **engine_kwargs()))
+    tag = engine.tokenizer.encode(".")[0]
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=str(tmp_path), pooler_config={"step_tag_id": tag}, **engine_kwargs())
+    )
+    server = await serve(engine)
+    url = str(server.make_url("/"))
+    text = "Step one: add. Step two: carry the one. Done."
+    ids = engine.tokenizer.encode(text)
+    with torch.no_grad():
+        hidden = base(torch.tensor([ids])).last_hidden_state[0].double().numpy()
+    logits = (np.maximum(hidden @ w0.T + b0, 0) @ w2.T + b2)[np.asarray(ids) == tag]
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    async with ClientSession() as http:
+        for request, want in [({"input": text}, probs), ({"input": text, "use_activation": False}, logits)]:
+            async with http.post(url + "pooling", json=request) as r:
+                assert r.status == 200
+                body = await r.json()
+            np.testing.assert_allclose(body["data"][0]["data"], want, rtol=1e-4, atol=1e-5)
+            assert body["usage"]["prompt_tokens"] == len(ids)
+        async with http.post(url + "pooling", json={"input": [text], "encoding_format": "base64"}) as r:
+            data = base64.b64decode((await r.json())["data"][0]["data"])
+        np.testing.assert_allclose(np.frombuffer(data, "<f4").reshape(-1, 2), probs, atol=1e-5)
+        for path, request in [
+            ("v1/embeddings", {"input": text}),
+            ("classify", {"input": text}),
+            ("score", {"text_1": text, "text_2": text}),
+        ]:
+            async with http.post(url + path, json=request) as r:
+                assert r.status == 400 and "served for rewards" in (await r.json())["error"]["message"]
     await server.close()
 
 

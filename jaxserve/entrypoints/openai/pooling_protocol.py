@@ -58,7 +58,14 @@ class EmbeddingRequest(OpenAIBaseModel):
 
 
 class PoolingRequest(EmbeddingRequest):
-    """vLLM's /pooling: the same fields; the answer carries the pooled vector as `data`."""
+    """vLLM's /pooling: the same fields; the answer carries the pooled vector as `data` (a reward
+    model's: a row per token or step). `use_activation`: a classifier's or reward model's
+    probabilities (true) or logits (false); the model's pooler decides when absent."""
+
+    use_activation: bool | None = None
+
+    def to_pooling_params(self, task: str) -> PoolingParams:
+        return super().to_pooling_params(task).clone(use_activation=self.use_activation)
 
 
 def encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:
