@@ -277,6 +277,30 @@ async def test_a_process_reward_model_over_pooling(tmp_path):
     await server.close()
 
 
+async def test_pooling_requests_in_the_metrics(base_url, embedder):
+    """Pooling requests count as finished requests (reason stop) and their prompts as prompt
+    tokens; they generate none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from jaxserve.metrics import PREFIX
+
+    tok = embedder[0].tokenizer
+    async with ClientSession() as http:
+        async with http.post(base_url + "v1/embeddings", json={"input": TEXTS}) as r:
+            assert r.status == 200
+        async with http.get(base_url + "metrics") as r:
+            text = await r.text()
+    samples = {
+        (s.name, s.labels.get("finished_reason")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[(PREFIX + "prompt_tokens_total", None)] == sum(len(tok.encode(t)) for t in TEXTS)
+    assert samples[(PREFIX + "generation_tokens_total", None)] == 0
+    assert samples[(PREFIX + "request_success_total", "stop")] == len(TEXTS)
+    assert samples[(PREFIX + "e2e_request_latency_seconds_count", None)] == len(TEXTS)
+
+
 async def test_cohere_embed(base_url, embedder):
     """Cohere's /v2/embed: float and base64 encodings of the same vectors; truncate END keeps a long
     text's first tokens, START its last, NONE refuses it."""
