@@ -15,6 +15,7 @@ import textwrap
 
 import numpy as np
 import pytest
+import torch
 from reference_checks import (
     assert_vectors_close,
     check_greedy,
@@ -22,7 +23,7 @@ from reference_checks import (
     pooled_reference,
     quantized_reference,
 )
-from tiny_models import TP_LLAMA, engine_kwargs, make_checkpoint, run_on_fake_devices
+from tiny_models import TP_LLAMA, engine_kwargs, make_checkpoint, make_encoder_checkpoint, run_on_fake_devices
 
 from jaxserve.args import EngineArgs
 from jaxserve.config import ParallelConfig
@@ -119,6 +120,13 @@ SCRIPT = textwrap.dedent(
                       **engine_kwargs(tensor_parallel_size=tp))
             outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
             report["embeddings"][tp] = [o.outputs.embedding for o in outs]
+    if len(sys.argv) > 6:  # a BERT encoder (bidirectional, token types, its own layers) at tp = 2
+        llm = LLM(sys.argv[6], **engine_kwargs(tensor_parallel_size=2, max_num_batched_tokens=128, max_model_len=96))
+        tok = llm.get_tokenizer()
+        encodings = [tok(*texts) for texts in json.loads(sys.argv[7])]
+        outs = llm.embed([{"prompt_token_ids": e["input_ids"]} for e in encodings], use_tqdm=False)
+        report["encoder"] = [{"ids": e["input_ids"], "types": e["token_type_ids"], "vector": o.outputs.embedding}
+                             for e, o in zip(encodings, outs)]
     print(json.dumps(report))
     """
 )
@@ -126,7 +134,15 @@ SCRIPT = textwrap.dedent(
 PROMPTS = [[5, 17, 300, 42, 9], list(range(20, 51)), [7], [9, 10, 11, 12] * 3]
 
 
-def _run(path: str, expert_parallel: bool, quantization: str | None, kv_cache_dtype: str) -> dict:
+ENCODER_TEXTS = [
+    ["the quick brown fox jumps over the lazy dog"],
+    ["paris is the capital of france", "berlin"],
+]
+
+
+def _run(
+    path: str, expert_parallel: bool, quantization: str | None, kv_cache_dtype: str, *encoder: str
+) -> dict:
     out = run_on_fake_devices(
         SCRIPT,
         path,
@@ -134,6 +150,7 @@ def _run(path: str, expert_parallel: bool, quantization: str | None, kv_cache_dt
         "ep" if expert_parallel else "-",
         quantization or "-",
         kv_cache_dtype,
+        *encoder,
     )
     report = json.loads(out.strip().splitlines()[-1])
     return {int(k) if k.isdigit() else k: r for k, r in report.items()}
@@ -149,7 +166,13 @@ def tp_runs(request, tmp_path_factory):
     quantization = kv_cache_dtype = None
     if request.param.endswith("int8"):
         quantization, kv_cache_dtype = "int8", "int8"
-    runs = _run(path, request.param == "mixtral", quantization, kv_cache_dtype or "auto")
+    encoder, bert = (), None
+    if request.param == "llama":
+        encoder = (path + "-bert", json.dumps(ENCODER_TEXTS))
+        bert = make_encoder_checkpoint(encoder[0], "bert")
+    runs = _run(path, request.param == "mixtral", quantization, kv_cache_dtype or "auto", *encoder)
+    if bert is not None:
+        runs["encoder"] = {"model": bert, "runs": runs["encoder"]}
     if quantization:  # the reference: transformers with the same quantized weights and KV
         scales = np.asarray(runs[1]["kv_scales"])
         model = kv_quantized_reference(quantized_reference(model, quantization), scales, kv_cache_dtype)
@@ -177,6 +200,13 @@ def test_greedy_tokens_are_the_same_at_every_tensor_parallel_size(tp_runs):
         for tp in ("1", "2"):
             for prompt, vector in zip(PROMPTS, runs["embeddings"][tp]):
                 assert_vectors_close(vector, pooled_reference(model.model, prompt, "MEAN"))
+        bert, encoder_runs = runs["encoder"]["model"], runs["encoder"]["runs"]
+        for run in encoder_runs:  # the BERT encoder at tp = 2: transformers' [CLS] hidden state
+            with torch.no_grad():
+                hidden = bert(torch.tensor([run["ids"]]), token_type_ids=torch.tensor([run["types"]]))
+            cls = hidden.last_hidden_state[0, 0].double().numpy()
+            assert_vectors_close(run["vector"], cls / np.linalg.norm(cls))
+        assert 1 in encoder_runs[1]["types"]  # a pair: its second segment typed 1
 
 
 def test_each_device_holds_only_its_slice(tp_runs):
@@ -184,7 +214,7 @@ def test_each_device_holds_only_its_slice(tp_runs):
     head_dim = TP_LLAMA["hidden_size"] // TP_LLAMA["num_attention_heads"]
     kv_heads = TP_LLAMA["num_key_value_heads"]
     for tp, run in runs.items():
-        if tp in ("orbax_tp8", "embeddings"):
+        if tp in ("orbax_tp8", "embeddings", "encoder"):
             continue
         w = run["weights"]
         assert all(entry["devices"] == tp for entry in w.values())

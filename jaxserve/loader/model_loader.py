@@ -80,6 +80,10 @@ def build_model_args(
                 f"tensor_parallel_size={tp}."
             )
         args = dataclasses.replace(args, moe=dataclasses.replace(moe, expert_parallel=True))
+    quantized_table = dict(getattr(args, "kernel_formats", ())).get("embed_tokens")
+    if args.vocab_size % tp and model_config.runner_type == "pooling" and not quantized_table:
+        # no LM head: zero rows that no token reads split the embedding table evenly
+        args = dataclasses.replace(args, vocab_size=-(-args.vocab_size // tp) * tp)
     if args.vocab_size % tp:
         raise ValueError(
             f"vocab_size ({args.vocab_size}) must be divisible by tensor_parallel_size ({tp}): the "
@@ -307,6 +311,8 @@ def _read_buffers(model_config: ModelConfig, entry, args, flat: dict) -> dict[st
         if kv_axis is not None:
             tensor = repeat_kv_heads(tensor, kv_axis - len(index), copies, args.head_dim)
         want = target.shape[len(index) :]
+        if path == "embed_tokens" and tensor.shape[0] < want[0]:  # a pooling model's padded table
+            tensor = np.pad(np.asarray(tensor), [(0, want[0] - tensor.shape[0]), (0, 0)])
         if tuple(tensor.shape) != tuple(want):
             raise ValueError(
                 f"Checkpoint {model_config.model}: tensor {name!r} has shape {tuple(tensor.shape)}, "
