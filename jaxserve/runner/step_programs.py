@@ -76,7 +76,10 @@ class StepLayout:
             platform = mesh.devices.flat[0].platform
             scales = kv_scales.initial_scales(config, args.num_layers, spec.dtype.name, platform)
         pages_per_seq = -(-sc.max_model_len // spec.page_size)
-        max_useful = sc.max_num_seqs * pages_per_seq + 1
+        # a pooling engine plans a step while the last one's requests (ended, but not yet told so)
+        # still hold their pages: room for two steps' worth of requests
+        seqs = sc.max_num_seqs * (2 if mc.runner_type == "pooling" else 1)
+        max_useful = seqs * pages_per_seq + 1
         shared = draft_footprint(config, mesh, spec.page_size)
         return cls(
             attention_backend=backend,

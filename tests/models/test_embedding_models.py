@@ -412,3 +412,22 @@ def test_embeddings_with_a_lora_adapter(tmp_path):
         assert_vectors_close(out.outputs.embedding, want)
     for with_adapter, without in zip(outs[: len(PROMPTS)], outs[len(PROMPTS) :]):
         assert np.abs(np.subtract(with_adapter.outputs.embedding, without.outputs.embedding)).max() > 1e-3
+
+
+def test_every_step_is_full_while_the_last_is_in_flight(qwen3):
+    """Asynchronous scheduling plans a step while the last one runs: its pooling requests end with
+    it, so they leave their rows, and in a pool sized for two steps their pages, to the next
+    prompts. Twelve prompts of 20 tokens at 64 tokens and 4 rows a step: every step full but the
+    last (the same as synchronous scheduling gives), not a full step then the rest of its last
+    prompt alone."""
+    path, base = qwen3
+    kw = engine_kwargs(max_num_seqs=4, max_model_len=24, num_gpu_blocks_override=None)
+    llm = LLM(path, runner="pooling", **kw)
+    runner = llm.llm_engine.runner
+    steps, dispatch = [], runner.dispatch
+    runner.dispatch = lambda sched, *a, **k: steps.append(sched.num_tokens) or dispatch(sched, *a, **k)
+    prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 500 for j in range(20)]} for i in range(12)]
+    outs = llm.embed(prompts, use_tqdm=False)
+    assert steps == [64, 64, 64, 48]
+    ids = prompts[-1]["prompt_token_ids"]
+    assert_vectors_close(outs[-1].outputs.embedding, pooled_reference(base, ids, "LAST"))
