@@ -9,9 +9,19 @@ import os
 # on this TPU-less host, in this process and in every subprocess a test starts.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from tiny_models import (  # noqa: E402
+    DENSE_FAMILIES,
+    LLAMA_VARIANTS,
+    TEST_XLA_FLAGS,
+    make_family_checkpoint,
+    make_llama_checkpoint,
+)
+
+# (read when JAX starts its backend, so before any test uses it; inherited by subprocesses)
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
 import jax  # noqa: E402
-import pytest
-from tiny_models import DENSE_FAMILIES, LLAMA_VARIANTS, make_family_checkpoint, make_llama_checkpoint
+import pytest  # noqa: E402
 
 # Tests never reach for a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

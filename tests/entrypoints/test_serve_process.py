@@ -15,7 +15,7 @@ import time
 
 import aiohttp
 import pytest
-from tiny_models import TEST_XLA_CACHE
+from tiny_models import TEST_XLA_CACHE, TEST_XLA_FLAGS
 
 
 def _free_port() -> int:
@@ -54,7 +54,7 @@ def _start(model: str, log_path, *flags: str, devices: int = 1):
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {TEST_XLA_FLAGS}",
         "VLLM_SERVER_DEV_MODE": "1",  # /sleep and /wake_up (with --enable-sleep-mode)
     }
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
