@@ -179,8 +179,15 @@ class ModelRunnerOutput:
     # A pooling model's step (nothing sampled): [len(seqs), 3, hidden] float32, per scheduled row
     # the sum of its fed tokens' final hidden states, the first one's and the last one's
     pooled: np.ndarray | None = None
-    # ALL pooling: [num_tokens, hidden] float32, every fed token's final hidden state, rows back to back
+    # ALL and STEP pooling: [num_tokens, hidden or labels] float32, every fed token's final hidden
+    # state through the model's pooler head, rows back to back
     pooled_tokens: np.ndarray | None = None
+
+    @classmethod
+    def of_pooling(cls, pooled: np.ndarray, pooled_tokens: np.ndarray | None) -> ModelRunnerOutput:
+        """A pooling model's step: its rows' sums (and tokens' rows), nothing sampled."""
+        none = np.zeros(0, np.int32)
+        return cls((), none, none.astype(np.float32), pooled=pooled, pooled_tokens=pooled_tokens)
 
 
 @runtime_checkable

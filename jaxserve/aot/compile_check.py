@@ -22,7 +22,6 @@ from jaxserve.aot.chips import Target, pallas_target
 from jaxserve.args import EngineArgs
 from jaxserve.loader.model_loader import abstract_model, build_model_args
 from jaxserve.model_resolution import targeting
-from jaxserve.pooling_params import TOKENWISE_TYPES
 from jaxserve.runner.bucketing import Buckets
 from jaxserve.runner.kv_cache import abstract_kv_pool
 from jaxserve.runner.step import StepVariant
@@ -253,7 +252,7 @@ def check(
     resident = report.weight_bytes + report.kv_pool_bytes  # held while a sample program runs
     with pallas_target(chip):
         pooler = mc.pooler_config
-        pooling = None if pooler is None else "pool_all" if pooler.pooling_type in TOKENWISE_TYPES else "pool"
+        pooling = None if pooler is None else StepVariant.for_pooling(pooler.pooling_type).kind
         for bucket, variant in programs_in_scope(
             layout.buckets, scope, layout.num_speculative_tokens > 0, pooling
         ):

@@ -32,7 +32,6 @@ from jaxserve.config import EngineConfig
 from jaxserve.layers.linear import tile_q4_stacks
 from jaxserve.loader.model_loader import build_model_args, load_model
 from jaxserve.lora.adapter import LoRAAdapter
-from jaxserve.pooling_params import TOKENWISE_TYPES
 from jaxserve.runner import batch as batch_lib
 from jaxserve.runner import executable_cache, kv_scales
 from jaxserve.runner import sleep as sleep_mode
@@ -71,10 +70,8 @@ class ModelRunner:
         this runner's own."""
         self.config = config
         pooler = config.model_config.pooler_config
-        self.pooling = pooler is not None  # every step is of the pool kind (with every token's rows for ALL)
-        self._pool = StepVariant(
-            kind="pool_all" if self.pooling and pooler.pooling_type in TOKENWISE_TYPES else "pool"
-        )
+        self.pooling = pooler is not None  # every step is of the pool kind
+        self._pool = StepVariant.for_pooling(pooler.pooling_type) if self.pooling else None
         self.step_cache = step_cache if step_cache is not None else StepCache()
         self.mesh = mesh or make_mesh(config.parallel_config.tensor_parallel_size)
         # The native CPU kernels (pallas_kernels/native.py), registered before any step is traced
@@ -411,15 +408,8 @@ class ModelRunner:
         """The host copy's rows that mean something: the sampled rows of the scheduled sequences
         (not the padding), and each prompt's rows of prompt logprobs."""
         if result.pooled is not None:  # a pooling model's step: every row's sums, nothing sampled
-            none = np.zeros(0, np.int32)
             tokens = None if result.token_rows is None else result.token_rows[: sched.num_tokens]
-            return ModelRunnerOutput(
-                (),
-                none,
-                none.astype(np.float32),
-                pooled=result.pooled[: len(sched.seqs)],
-                pooled_tokens=tokens,
-            )
+            return ModelRunnerOutput.of_pooling(result.pooled[: len(sched.seqs)], tokens)
         rows = [i for i, s in enumerate(sched.seqs) if s.sampling is not None]
         num_sampled = None
         if result.num_sampled is not None:  # the verify layout: each sequence's kept rows

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.layers.sampler import ProcessorState, apply_token_bitmask, count_sampled, sample, top_logprobs
+from jaxserve.pooling_params import TOKENWISE_TYPES
 from jaxserve.runner.batch import BatchInputs, PackedBatch, unpacked
 from jaxserve.scheduler_output import SchedulerOutput, TopLogprobs
 
@@ -76,6 +77,11 @@ class StepVariant:
             *(cls(*o, kind=kind) for kind in cls.KINDS[:2] for o in options),
             *(cls(kind=k) for k in cls.KINDS[2:]),
         )
+
+    @classmethod
+    def for_pooling(cls, pooling_type: str) -> StepVariant:
+        """A pooling model's every step: the pool kind, with every token's rows for ALL and STEP."""
+        return cls(kind="pool_all" if pooling_type in TOKENWISE_TYPES else "pool")
 
     @classmethod
     def for_batch(cls, sched: SchedulerOutput) -> StepVariant:
