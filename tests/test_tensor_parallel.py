@@ -3,7 +3,8 @@ KV heads split, then copied) for a GQA Llama with fewer KV heads than devices, t
 int8 weights and an int8 KV cache, and a Mixtral with expert parallelism (the float Llama at tp = 2
 with a draft model's proposals); and every device holding only its own slice of each weight (and
 of each quantization scale) and of the KV pool, before and after a sleep (sleep mode) at either
-level.
+level. The Llama run also serves it as an embedding model at tp = 1 and 2, and a BERT and a
+ModernBERT encoder at tp = 2 (their vocabularies padded to split).
 
 The device count is fixed when JAX starts, so the engines run in one fresh subprocess."""
 
@@ -16,6 +17,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+import transformers
 from reference_checks import (
     assert_vectors_close,
     check_greedy,
@@ -23,7 +25,14 @@ from reference_checks import (
     pooled_reference,
     quantized_reference,
 )
-from tiny_models import TP_LLAMA, engine_kwargs, make_checkpoint, make_encoder_checkpoint, run_on_fake_devices
+from tiny_models import (
+    TP_LLAMA,
+    engine_kwargs,
+    make_checkpoint,
+    make_encoder_checkpoint,
+    make_modernbert,
+    run_on_fake_devices,
+)
 
 from jaxserve.args import EngineArgs
 from jaxserve.config import ParallelConfig
@@ -120,13 +129,14 @@ SCRIPT = textwrap.dedent(
                       **engine_kwargs(tensor_parallel_size=tp))
             outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
             report["embeddings"][tp] = [o.outputs.embedding for o in outs]
-    if len(sys.argv) > 6:  # a BERT encoder (bidirectional, token types, its own layers) at tp = 2
-        llm = LLM(sys.argv[6], **engine_kwargs(tensor_parallel_size=2, max_num_batched_tokens=128, max_model_len=96))
+    report["encoder"] = {}
+    for encoder in json.loads(sys.argv[6]) if len(sys.argv) > 6 else ():  # BERT, ModernBERT at tp = 2
+        llm = LLM(encoder, **engine_kwargs(tensor_parallel_size=2, max_num_batched_tokens=128, max_model_len=96))
         tok = llm.get_tokenizer()
         encodings = [tok(*texts) for texts in json.loads(sys.argv[7])]
         outs = llm.embed([{"prompt_token_ids": e["input_ids"]} for e in encodings], use_tqdm=False)
-        report["encoder"] = [{"ids": e["input_ids"], "types": e["token_type_ids"], "vector": o.outputs.embedding}
-                             for e, o in zip(encodings, outs)]
+        report["encoder"][encoder] = [{"ids": e["input_ids"], "types": e["token_type_ids"],
+                                       "vector": o.outputs.embedding} for e, o in zip(encodings, outs)]
     print(json.dumps(report))
     """
 )
@@ -166,13 +176,13 @@ def tp_runs(request, tmp_path_factory):
     quantization = kv_cache_dtype = None
     if request.param.endswith("int8"):
         quantization, kv_cache_dtype = "int8", "int8"
-    encoder, bert = (), None
+    encoders = {}  # path -> the torch model
     if request.param == "llama":
-        encoder = (path + "-bert", json.dumps(ENCODER_TEXTS))
-        bert = make_encoder_checkpoint(encoder[0], "bert")
-    runs = _run(path, request.param == "mixtral", quantization, kv_cache_dtype or "auto", *encoder)
-    if bert is not None:
-        runs["encoder"] = {"model": bert, "runs": runs["encoder"]}
+        encoders[path + "-bert"] = make_encoder_checkpoint(path + "-bert", "bert")
+        encoders[path + "-modernbert"] = make_modernbert(path + "-modernbert")
+    encoder_args = (json.dumps(list(encoders)), json.dumps(ENCODER_TEXTS)) if encoders else ()
+    runs = _run(path, request.param == "mixtral", quantization, kv_cache_dtype or "auto", *encoder_args)
+    runs["encoder"] = [(encoders[p], r) for p, r in runs["encoder"].items()]
     if quantization:  # the reference: transformers with the same quantized weights and KV
         scales = np.asarray(runs[1]["kv_scales"])
         model = kv_quantized_reference(quantized_reference(model, quantization), scales, kv_cache_dtype)
@@ -200,13 +210,17 @@ def test_greedy_tokens_are_the_same_at_every_tensor_parallel_size(tp_runs):
         for tp in ("1", "2"):
             for prompt, vector in zip(PROMPTS, runs["embeddings"][tp]):
                 assert_vectors_close(vector, pooled_reference(model.model, prompt, "MEAN"))
-        bert, encoder_runs = runs["encoder"]["model"], runs["encoder"]["runs"]
-        for run in encoder_runs:  # the BERT encoder at tp = 2: transformers' [CLS] hidden state
-            with torch.no_grad():
-                hidden = bert(torch.tensor([run["ids"]]), token_type_ids=torch.tensor([run["types"]]))
-            cls = hidden.last_hidden_state[0, 0].double().numpy()
-            assert_vectors_close(run["vector"], cls / np.linalg.norm(cls))
-        assert 1 in encoder_runs[1]["types"]  # a pair: its second segment typed 1
+        assert len(runs["encoder"]) == 2
+        for encoder, encoder_runs in runs["encoder"]:  # the encoders at tp = 2: transformers' [CLS] state
+            bert = isinstance(encoder, transformers.BertModel)
+            for run in encoder_runs:
+                types = {"token_type_ids": torch.tensor([run["types"]])} if bert else {}
+                with torch.no_grad():
+                    cls = (
+                        encoder(torch.tensor([run["ids"]]), **types).last_hidden_state[0, 0].double().numpy()
+                    )
+                assert_vectors_close(run["vector"], cls / np.linalg.norm(cls))
+            assert 1 in encoder_runs[1]["types"]  # a pair: its second segment typed 1
 
 
 def test_each_device_holds_only_its_slice(tp_runs):

@@ -347,3 +347,25 @@ def make_reward_model(path, process: bool = False, seed: int = 5):
     config["architectures"] = ["Qwen2ForProcessRewardModel" if process else "Qwen2ForRewardModel"]
     (pathlib.Path(path) / "config.json").write_text(json.dumps(config))
     return model.model, tuple(head[k].double().numpy() for k in head)
+
+
+def make_modernbert(path, seed: int = 5):
+    """A tiny random ModernBertModel (a global layer every second, local ones seeing 4 tokens
+    either side) with the WordPiece tokenizer; return the torch model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    tokenizer = make_wordpiece_tokenizer()
+    config = transformers.ModernBertConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        global_attn_every_n_layers=2, local_attention=8, max_position_embeddings=128, pad_token_id=0,
+        bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3,
+    )  # fmt: skip
+    model = transformers.ModernBertModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model

@@ -19,6 +19,7 @@ from tiny_models import (
     make_encoder_checkpoint,
     make_family_checkpoint,
     make_lora_adapter,
+    make_modernbert,
     make_tokenizer,
     make_wordpiece_tokenizer,
 )
@@ -334,21 +335,8 @@ def test_modernbert_matches_transformers(tmp_path):
     """ModernBERT: rotary positions with a global and a local base, local layers seeing 4 tokens
     either side, a gated GELU MLP, no attention norm before the first layer; CLS and MEAN pooling
     agree with transformers on prompts longer than the window."""
-    import transformers
-
-    torch.manual_seed(5)
+    model = make_modernbert(tmp_path)
     tokenizer = make_wordpiece_tokenizer()
-    config = transformers.ModernBertConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        global_attn_every_n_layers=2, local_attention=8, max_position_embeddings=128, pad_token_id=0,
-        bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3,
-    )  # fmt: skip
-    model = transformers.ModernBertModel(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
     kw = engine_kwargs(max_num_batched_tokens=128, max_model_len=96)
     llm, mean = (
         LLM(str(tmp_path), **kw),
