@@ -256,10 +256,15 @@ class Scheduler:
         """Waiting requests, in queue order, while the budget, the row limit and pages last."""
         w = 0
         # pooling requests whose whole prompt is scheduled end when their step is back: no row of
-        # this step is theirs (with asynchronous scheduling, they are still running while it is planned)
-        done = sum(
-            1 for r in self.running if r.pooling_params is not None and r.num_computed_tokens >= r.num_tokens
-        )
+        # this step is theirs (with asynchronous scheduling, they are still running while it is
+        # planned); counted only when a request waits, so a decode-only step pays nothing for it
+        done = 0
+        if self.waiting:
+            done = sum(
+                1
+                for r in self.running
+                if r.pooling_params is not None and r.num_computed_tokens >= r.num_tokens
+            )
         while (
             w < len(self.waiting) and plan.budget > 0 and len(self.running) - done < self.config.max_num_seqs
         ):
