@@ -32,8 +32,12 @@ Two passes, each reading every needed key page once per unit of work:
 - decode rows (sequences with one new token): one row per sequence, DECODE_GROUP
   sequences at a time, gathering each sequence's pages chunk by chunk;
 - prefill rows: the new tokens of each longer sequence are cut into query blocks of
-  BLOCK_Q rows; a block gathers its sequence's pages once for all its rows and stops at
-  the last key its rows can see (causality), so prefill costs matmuls, not gathers.
+  BLOCK_Q rows, and what is left (fewer than BLOCK_Q) into blocks of TAIL_BLOCK_Q, so a short
+  prompt's last block is not mostly padding; a block gathers its sequence's pages once for
+  all its rows and stops at the last key its rows can see (causality), so prefill costs
+  matmuls, not gathers. Blocks go ROWS_PER_STEP rows at a time in the order of the key chunks
+  they need, so blocks handled together visit about as many chunks each (31 prompts of 133
+  tokens: 47 -> 26 ms per layer on this CPU for SmolLM2's heads).
 Both use an online softmax over key chunks of KV_CHUNK_TOKENS, so memory stays bounded
 whatever the context length, and both loop only as far as the batch needs (and, under a
 sliding window, start no earlier than the first key any of their rows can see).
@@ -67,7 +71,8 @@ from pallas_kernels.tracing import traced_platform
 
 KV_CHUNK_TOKENS = 128  # keys per online-softmax step
 BLOCK_Q = 64  # query rows per prefill block
-BLOCKS_PER_STEP = 4  # prefill blocks handled together in one loop iteration
+TAIL_BLOCK_Q = 16  # query rows per block of a prefill's last rows (fewer than BLOCK_Q)
+ROWS_PER_STEP = 256  # prefill query rows handled together in one loop iteration
 DECODE_GROUP = 32  # decode sequences handled together in one loop iteration
 
 
@@ -204,7 +209,9 @@ def ragged_paged_attention(
     group = num_q_heads // num_kv_heads
     page_size = kv_pages.shape[2]
     chunk = max(1, KV_CHUNK_TOKENS // page_size) * page_size
-    attend = lambda *a: _attend_chunks(*a, sliding_window=sliding_window, soft_cap=soft_cap)  # noqa: E731
+    attend = lambda q, pos, pages, n: _attend_chunks(
+        q, pos, pages, kv_pages, n, sliding_window=sliding_window, soft_cap=soft_cap
+    )  # noqa: E731
 
     seq_ids = jnp.arange(max_num_seqs, dtype=jnp.int32)
     live = seq_ids < num_seqs[0]
@@ -230,37 +237,66 @@ def ragged_paged_attention(
         lens = jnp.where(valid, kv_lens[seq], 0)
         dec_pos = jnp.repeat((lens - 1)[:, None], group, axis=1)
         n_chunks = (jnp.max(lens) + chunk - 1) // chunk
-        return out.at[rows].set(attend(dec_q, dec_pos, page_indices[seq], kv_pages, n_chunks))
+        return out.at[rows].set(attend(dec_q, dec_pos, page_indices[seq], n_chunks))
 
     num_decode_groups = (jnp.sum(is_decode) + group_size - 1) // group_size
     out = jax.lax.fori_loop(0, num_decode_groups, decode_group, out)
 
-    # Prefill rows: query blocks of BLOCK_Q rows, each within one sequence.
-    blocks = jnp.where(q_lens > 1, (q_lens + BLOCK_Q - 1) // BLOCK_Q, 0)  # [max_num_seqs]
-    cum_blocks = jnp.cumsum(blocks)
-    num_groups = (cum_blocks[-1] + BLOCKS_PER_STEP - 1) // BLOCKS_PER_STEP
-
-    def prefill_group(g, out):
-        b = g * BLOCKS_PER_STEP + jnp.arange(BLOCKS_PER_STEP, dtype=jnp.int32)
-        seq = jnp.minimum(jnp.searchsorted(cum_blocks, b, side="right"), max_num_seqs - 1)
-        first = cu_q_lens[seq] + (b - (cum_blocks[seq] - blocks[seq])) * BLOCK_Q
-        rows = first[:, None] + jnp.arange(BLOCK_Q, dtype=jnp.int32)[None, :]  # [blocks, BLOCK_Q]
-        valid = (rows < cu_q_lens[seq + 1][:, None]) & (b < cum_blocks[-1])[:, None]
-        rows = jnp.where(valid, rows, num_tokens)
-        pos = jnp.where(valid, kv_lens[seq][:, None] - cu_q_lens[seq + 1][:, None] + rows, -1)
-        blk_q = jnp.take(qg, rows, axis=0, mode="fill", fill_value=0)  # [blocks, BLOCK_Q, kv_heads, group, d]
-        blk_q = blk_q.transpose(0, 2, 1, 3, 4).reshape(
-            BLOCKS_PER_STEP, num_kv_heads, BLOCK_Q * group, head_dim
-        )
-        n_chunks = (jnp.max(pos) + chunk) // chunk
-        blk_pos = jnp.repeat(pos, group, axis=1)  # row r * group + g sits at pos[r]
-        blk_out = attend(blk_q, blk_pos, page_indices[seq], kv_pages, n_chunks)
-        blk_out = blk_out.reshape(BLOCKS_PER_STEP, num_kv_heads, BLOCK_Q, group, head_dim).transpose(
-            0, 2, 1, 3, 4
-        )
-        return out.at[rows].set(blk_out)
-
-    out = jax.lax.fori_loop(0, num_groups, prefill_group, out)
+    # Prefill rows: each longer sequence's rows in query blocks of BLOCK_Q, then the rest of its
+    # rows (fewer than BLOCK_Q) in blocks of TAIL_BLOCK_Q, so that a short prompt's last block is
+    # not mostly padding.
+    prefill = jnp.where(q_lens > 1, q_lens, 0)
+    full = prefill // BLOCK_Q * BLOCK_Q
+    for start, count, block_q in ((0, full, BLOCK_Q), (full, prefill - full, TAIL_BLOCK_Q)):
+        out = _prefill_blocks(attend, out, qg, kv_lens, page_indices, cu_q_lens, start, count, block_q, chunk)
     if v_scale is not None:
         out = out * v_scale
     return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _prefill_blocks(
+    attend,
+    out: jax.Array,  # [num_tokens + 1, num_kv_heads, group, head_dim]: the last row is a sink
+    qg: jax.Array,  # [num_tokens, num_kv_heads, group, head_dim], scaled
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    start: jax.Array | int,  # [max_num_seqs]: the first row of each sequence's range (from its first new row)
+    count: jax.Array,  # [max_num_seqs]: rows in the range (0: none)
+    block_q: int,
+    chunk: int,
+) -> jax.Array:
+    """Attention of a range of each sequence's new rows, in query blocks of block_q rows within one
+    sequence, ROWS_PER_STEP rows at a time, in the order of the key chunks the blocks need (their
+    last row's position decides), so that the blocks handled together visit about as many chunks
+    each: a step of many short prompts is mostly blocks of one chunk."""
+    num_tokens, num_kv_heads, group, head_dim = qg.shape
+    max_num_seqs = kv_lens.shape[0]
+    per_step = ROWS_PER_STEP // block_q
+    blocks = (count + block_q - 1) // block_q  # [max_num_seqs]
+    cum_blocks = jnp.cumsum(blocks)
+    bound = -(-(num_tokens // block_q + min(max_num_seqs, num_tokens // 2)) // per_step) * per_step
+    b_all = jnp.arange(bound, dtype=jnp.int32)
+    b_seq = jnp.minimum(jnp.searchsorted(cum_blocks, b_all, side="right"), max_num_seqs - 1)
+    range_first = cu_q_lens[:-1] + start
+    b_first = range_first[b_seq] + (b_all - (cum_blocks[b_seq] - blocks[b_seq])) * block_q
+    b_end = jnp.minimum(b_first + block_q, range_first[b_seq] + count[b_seq])
+    b_need = (kv_lens[b_seq] - cu_q_lens[b_seq + 1] + b_end - 1) // chunk + 1
+    order = jnp.argsort(jnp.where(b_all < cum_blocks[-1], b_need, jnp.iinfo(jnp.int32).max))
+
+    def step(g, out):
+        b = jax.lax.dynamic_slice_in_dim(order, g * per_step, per_step)
+        seq = b_seq[b]
+        rows = b_first[b][:, None] + jnp.arange(block_q, dtype=jnp.int32)[None, :]  # [blocks, block_q]
+        valid = (rows < b_end[b][:, None]) & (b < cum_blocks[-1])[:, None]
+        rows = jnp.where(valid, rows, num_tokens)
+        pos = jnp.where(valid, kv_lens[seq][:, None] - cu_q_lens[seq + 1][:, None] + rows, -1)
+        blk_q = jnp.take(qg, rows, axis=0, mode="fill", fill_value=0)  # [blocks, block_q, kv_heads, group, d]
+        blk_q = blk_q.transpose(0, 2, 1, 3, 4).reshape(per_step, num_kv_heads, block_q * group, head_dim)
+        n_chunks = (jnp.max(pos) + chunk) // chunk
+        blk_pos = jnp.repeat(pos, group, axis=1)  # row r * group + g sits at pos[r]
+        blk_out = attend(blk_q, blk_pos, page_indices[seq], n_chunks)
+        blk_out = blk_out.reshape(per_step, num_kv_heads, block_q, group, head_dim).transpose(0, 2, 1, 3, 4)
+        return out.at[rows].set(blk_out)
+
+    return jax.lax.fori_loop(0, (cum_blocks[-1] + per_step - 1) // per_step, step, out)

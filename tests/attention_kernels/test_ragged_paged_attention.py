@@ -79,6 +79,24 @@ def test_write_kv_interleaves_and_drops_padding():
     assert list(itertools.chain(out.shape)) == [3, 4, 4, 8]
 
 
+@pytest.mark.parametrize("mix", ["prefill", "mixed", "short prompts"])
+def test_prefill_blocks_reordered_over_several_steps(monkeypatch, mix):
+    """Small blocks and steps: full blocks and tail blocks of many sequences, with and without
+    cached context, sorted by the key chunks they need and handled a few per loop step."""
+    import pallas_kernels.ragged_paged_attention.reference as reference
+
+    monkeypatch.setattr(reference, "BLOCK_Q", 16)
+    monkeypatch.setattr(reference, "TAIL_BLOCK_Q", 4)
+    monkeypatch.setattr(reference, "ROWS_PER_STEP", 32)  # 2 full blocks or 8 tail blocks a step
+    seqs = {
+        "short prompts": [(0, 37), (50, 19), (0, 2), (200, 70), (3, 1), (0, 130), (17, 33), (0, 16)],
+    }.get(mix) or MIXES[mix](16)
+    rng = np.random.default_rng(4)
+    case = _case(rng, seqs, 8, 2, 64, 16, 8)
+    out = reference.ragged_paged_attention(*case.args, sm_scale=case.sm_scale)
+    np.testing.assert_allclose(np.asarray(out), case.expected(), **F32_TOL)
+
+
 @pytest.mark.parametrize("mix", ["decode", "mixed"])
 def test_decodes_spread_over_several_groups(monkeypatch, mix):
     import pallas_kernels.ragged_paged_attention.reference as reference
