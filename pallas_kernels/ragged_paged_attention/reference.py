@@ -275,7 +275,8 @@ def _prefill_blocks(
     per_step = ROWS_PER_STEP // block_q
     blocks = (count + block_q - 1) // block_q  # [max_num_seqs]
     cum_blocks = jnp.cumsum(blocks)
-    bound = -(-(num_tokens // block_q + min(max_num_seqs, num_tokens // 2)) // per_step) * per_step
+    # blocks there can be (a sequence with rows in the range has two rows or more), in whole steps
+    bound = max(1, -(-(num_tokens // block_q + min(max_num_seqs, num_tokens // 2)) // per_step)) * per_step
     b_all = jnp.arange(bound, dtype=jnp.int32)
     b_seq = jnp.minimum(jnp.searchsorted(cum_blocks, b_all, side="right"), max_num_seqs - 1)
     range_first = cu_q_lens[:-1] + start

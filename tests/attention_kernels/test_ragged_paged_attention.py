@@ -57,6 +57,19 @@ def test_padding_rows_are_zero():
     assert np.all(np.abs(out[:6]).sum(axis=(1, 2)) > 0)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 2, 3])
+def test_buckets_of_a_few_rows(num_tokens):
+    """The smallest token buckets (a batch-1 decode step's is one row) trace and attend."""
+    rng = np.random.default_rng(1)
+    seqs = [(20, 1)] if num_tokens == 1 else [(20, 1), (0, num_tokens - 1)]
+    case = build_case(
+        rng, seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, max_num_seqs=4,
+        num_tokens=num_tokens, write_new_kv=True,
+    )  # fmt: skip
+    out = np.asarray(ragged_paged_attention(*case.args, sm_scale=case.sm_scale))
+    np.testing.assert_allclose(out, case.expected(), **F32_TOL)
+
+
 @pytest.mark.parametrize("window, cap", [(7, None), (None, 5.0), (20, 2.0)])
 def test_sliding_window_and_soft_cap(window, cap):
     rng = np.random.default_rng(1)
