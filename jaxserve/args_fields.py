@@ -289,7 +289,11 @@ class EngineArgsFields:
         "Disable cascade attention (vLLM's shared-prefix CUDA kernel); jaxserve has none, it is always off.",
         tier="C",
     )
-    enable_prompt_embeds: bool = arg(G.MODEL, False, "Accept prompt embeddings as input.", tier="B")
+    enable_prompt_embeds: bool = arg(
+        G.MODEL,
+        False,
+        "Accept prompt embeddings as input (offline prompt_embeds arrays; the completions API's base64 tensors).",
+    )
     logits_processor_pattern: str | None = arg(
         G.MODEL, None, "Regex of logits-processor import paths requests may name.", tier="B"
     )

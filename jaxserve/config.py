@@ -48,6 +48,7 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     use_tqdm_on_load: bool = True
     enable_sleep_mode: bool = False  # LLMEngine.sleep / wake_up may free and retake device memory
+    enable_prompt_embeds: bool = False  # prompts may come as embeddings (jaxserve/prompt_embeds.py)
     # Weight-only quantization of the layers' projections: "int8", "fp8" or None (as stored)
     quantization: str | None = None
     # The method of a checkpoint quantized by another tool ("fp8", "compressed-tensors"), served

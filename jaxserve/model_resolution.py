@@ -223,6 +223,7 @@ def model_config_from_args(args) -> ModelConfig:
         skip_tokenizer_init=args.skip_tokenizer_init,
         use_tqdm_on_load=args.use_tqdm_on_load,
         enable_sleep_mode=args.enable_sleep_mode,
+        enable_prompt_embeds=args.enable_prompt_embeds,
         quantization=quantization,
         checkpoint_quantization=checkpoint_quantization,
         runner_type=runner_type,

@@ -50,7 +50,7 @@ class CompletionOutput:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None  # None for a prompt given as embeddings (vLLM: the same)
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: PromptLogprobs | None = None

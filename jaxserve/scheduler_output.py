@@ -120,6 +120,9 @@ class ScheduledSeq(NamedTuple):
     # row samples at its last num_drafts + 1 tokens and keeps the samples up to the first one
     # that differs from the proposal after it (ModelRunnerOutput.num_sampled).
     num_drafts: int = 0
+    # A prompt given as embeddings: float32 [rows, hidden] fed in place of the embedding table's
+    # rows at the first rows of token_ids (their ids are placeholders); None for every other row.
+    prompt_embeds: np.ndarray | None = None
 
     @property
     def num_new(self) -> int:

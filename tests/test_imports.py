@@ -28,7 +28,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("jaxserve.layers", "jaxserve.sharding"),
     ("pallas_kernels",),
     ("jaxserve.config", "jaxserve.sampling_params", "jaxserve.scheduler_output", "jaxserve.outputs",
-     "jaxserve.beam_search", "jaxserve.reasoning", "jaxserve.spec_decode", "jaxserve.pooling_params"),
+     "jaxserve.beam_search", "jaxserve.reasoning", "jaxserve.spec_decode", "jaxserve.pooling_params",
+     "jaxserve.prompt_embeds"),
 )  # fmt: skip
 
 

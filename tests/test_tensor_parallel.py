@@ -60,9 +60,10 @@ SCRIPT = textwrap.dedent(
         # the float Llama at tp = 2 proposes tokens with a draft model (itself) on the same mesh:
         # the draft's runner and the verify steps split like the rest
         spec = tp == 2 and quantization is None and not expert_parallel
+        embeds = quantization is None and not expert_parallel  # prompts given as embeddings too
         llm = LLM(path, **engine_kwargs(tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
                                         quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                                        enable_sleep_mode=True,
+                                        enable_sleep_mode=True, enable_prompt_embeds=embeds,
                                         speculative_config={"model": path, "num_speculative_tokens": 3} if spec else None))
         runner = llm.llm_engine.runner
         shards = {}
@@ -82,6 +83,12 @@ SCRIPT = textwrap.dedent(
             SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
             use_tqdm=False,
         )
+        from_embeds = []
+        if embeds:
+            from safetensors.numpy import load_file
+            table = load_file(f"{path}/model.safetensors")["model.embed_tokens.weight"]
+            from_embeds = llm.generate([{"prompt_embeds": table[p]} for p in prompts],
+                                       SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
         guided = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
             SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)),
@@ -101,6 +108,7 @@ SCRIPT = textwrap.dedent(
         report[tp] = {
             "after_sleep": after_sleep,
             "tokens": [o.outputs[0].token_ids for o in outs],
+            "from_embeds": [o.outputs[0].token_ids for o in from_embeds],
             "guided": [o.outputs[0].text for o in guided],
             "weights": shards,
             "weight_bytes": sum(x.nbytes for x in jax.tree.leaves(runner.state)),
@@ -196,6 +204,8 @@ def test_greedy_tokens_are_the_same_at_every_tensor_parallel_size(tp_runs):
             assert runs[tp]["tokens"] == runs[1]["tokens"], f"tp={tp}"
     if family == "llama":  # with a draft model (itself) at tp = 2, its proposals kept
         assert runs[2]["accepted"] > 0
+        for tp in (1, 2, 8):  # prompts given as their embeddings: their tokens' own completions
+            assert runs[tp]["from_embeds"] == runs[1]["tokens"], f"tp={tp}"
     for level, run in zip((1, 2), runs[8]["after_sleep"], strict=True):  # asleep and awake again
         assert run["tokens"] == runs[1]["tokens"] and run["same_slices"], f"sleep level {level}"
     for tp in (2, 8):  # under a JSON schema too: the mask is applied to replicated logits

@@ -77,11 +77,19 @@ DRAFT = "draft"  # a draft model: the same shape (no weights either)
 # served as a process reward model from the LM head's rows of two tokens: the pool_all kind's
 # programs only (every token's row through that head, besides the rows' sums)
 POOLING = "pooling"
+# prompts given as embeddings: the quick scope adds the smallest program that takes their rows
+EMBEDS = "embeds"
 
 
 @pytest.mark.parametrize(
     "topology,tp,speculative",
-    [("v5e-4", 1, None), ("v6e-4", 1, DRAFT), ("v6e-4", 4, None), ("v5e-4", 4, NGRAM), ("v6e-4", 4, POOLING)],
+    [
+        ("v5e-4", 1, EMBEDS),
+        ("v6e-4", 1, DRAFT),
+        ("v6e-4", 4, None),
+        ("v5e-4", 4, NGRAM),
+        ("v6e-4", 4, POOLING),
+    ],
 )
 def test_step_compiles_for_tpu_with_the_pallas_kernel(tmp_path, shape_dir, topology, tp, speculative):
     """With proposals (n-gram, or a draft model), the quick scope adds the smallest verify
@@ -93,6 +101,10 @@ def test_step_compiles_for_tpu_with_the_pallas_kernel(tmp_path, shape_dir, topol
         step = {"pooling_type": "STEP", "step_tag_id": 1, "returned_token_ids": [2, 3]}
         flags += ["--convert", "reward", "--pooler-config", json.dumps(step)]
         speculative = None
+    embeds = speculative == EMBEDS
+    if embeds:
+        flags.append("--enable-prompt-embeds")
+        speculative = None
     if speculative == DRAFT:
         speculative = json.dumps({"model": shape_dir, "num_speculative_tokens": 3})
     if speculative:
@@ -102,6 +114,8 @@ def test_step_compiles_for_tpu_with_the_pallas_kernel(tmp_path, shape_dir, topol
     assert report["attention_backend"] == "tpu" and report["dtype"] == "bfloat16"
     programs = report["programs"]
     expected = [((16, 16), "plain"), ((64, 16), "plain")] + [((16, 16), "verify")] * bool(speculative)
+    if embeds:
+        expected.append(((16, 16), "prompt_embeds"))
     if pooling:  # prompts pooled on the device: the pool kind, through the same kernel
         expected = [((16, 16), "pool_all"), ((64, 16), "pool_all")]
     if speculative and "model" in speculative:  # the draft's program; its pool from the same budget

@@ -130,21 +130,31 @@ class Report:
 
 
 def programs_in_scope(
-    buckets: Buckets, scope: str, speculative: bool = False, pooling: str | None = None
+    buckets: Buckets,
+    scope: str,
+    speculative: bool = False,
+    pooling: str | None = None,
+    prompt_embeds: bool = False,
 ) -> list[tuple[tuple[int, int], StepVariant]]:
     """The (bucket, variant) pairs to compile, smallest bucket first; the verify kind's only for
-    an engine with speculative decoding (`speculative`), which is all that ever runs them; a
-    pooling model's engine runs its pool kind alone (`pooling`: "pool" or "pool_all")."""
+    an engine with speculative decoding (`speculative`), the prompt-embeddings variants only for
+    one that takes them (`prompt_embeds`): all that ever runs them; a pooling model's engine runs
+    its pool kind alone (`pooling`: "pool" or "pool_all")."""
     every = buckets.all()
-    variants = [v for v in StepVariant.all() if speculative or v.kind == "generate"]
+    variants = [
+        v
+        for v in StepVariant.all()
+        if (speculative or v.kind == "generate") and (prompt_embeds or not v.with_prompt_embeds)
+    ]
     if pooling:
         variants = [StepVariant(kind=pooling)]
     ends = [every[0], every[-1]] if len(every) > 1 else every
     if scope == "all":
         return [(b, v) for b in every for v in variants]
-    if scope == "quick":  # and, with proposals, the smallest verify program
+    if scope == "quick":  # and the smallest verify program, and prompt-embeddings one, where run
         verify = [(every[0], v) for v in variants if v.kind == "verify"][:1]
-        return [(b, variants[0]) for b in ends] + verify
+        embeds = [(every[0], v) for v in variants if v.with_prompt_embeds][:1]
+        return [(b, variants[0]) for b in ends] + verify + embeds
     plain = [(b, variants[0]) for b in every]
     if scope == "plain":
         return plain
@@ -254,7 +264,7 @@ def check(
         pooler = mc.pooler_config
         pooling = None if pooler is None else StepVariant.for_pooling(pooler.pooling_type).kind
         for bucket, variant in programs_in_scope(
-            layout.buckets, scope, layout.num_speculative_tokens > 0, pooling
+            layout.buckets, scope, layout.num_speculative_tokens > 0, pooling, mc.enable_prompt_embeds
         ):
             for program in _compile(steps, bucket, variant, resident):
                 report.programs.append(program)

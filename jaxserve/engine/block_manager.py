@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import struct
 from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
@@ -171,6 +172,12 @@ class BlockManager:
         """The parent hash of a LoRA request's first page: pages computed with one adapter are
         never found by a request with another (or none), whose chains start elsewhere."""
         return self.hash_fn(None, (-lora_int_id,))
+
+    def embeds_root(self, parent: BlockHash | None, digest: bytes) -> BlockHash:
+        """The parent hash of the first page of a prompt given as embeddings (after its adapter's
+        root, if any): the digest of their bytes, so that only identical embeddings share pages
+        (such a prompt's token ids are placeholders)."""
+        return self.hash_fn(parent, struct.unpack("<4q", digest[:32]))
 
     def get_computed_blocks(
         self, token_ids: Sequence[int], root: BlockHash | None = None

@@ -49,7 +49,8 @@ class IncrementalDetokenizer:
 
         # Token ids of the decode window's world: the tail of the prompt, then the output.
         # Two extra prompt tokens in case some of the context is skipped special tokens.
-        context = request.prompt_token_ids[-(_INITIAL_OFFSET + 2) :]
+        # (a prompt given as embeddings has no tokens to read: its ids are placeholders)
+        context = request.prompt_token_ids[-(_INITIAL_OFFSET + 2) :] if request.prompt_embeds is None else []
         self._ids: list[int] = list(context)
         self._read_offset = len(context)
         self._prefix_offset = max(self._read_offset - _INITIAL_OFFSET, 0)

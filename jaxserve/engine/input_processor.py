@@ -10,6 +10,7 @@ its seed, its stop token ids (with the model's extra EOS ids), its device-slot c
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -20,6 +21,7 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.parent_request import ParentRequest
 from jaxserve.engine.request import Request
 from jaxserve.pooling_params import PooledSums, PoolingParams
+from jaxserve.prompt_embeds import as_prompt_embeds, embedding_width
 from jaxserve.reasoning import get_reasoning_parser
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.scheduler_output import MAX_BANNED_TOKENS, LogitsSpec
@@ -93,16 +95,10 @@ class InputProcessor:
         """Check and tokenize a request and build its child sequences; ValueError on bad input."""
         if priority != 0 and self.config.scheduler_config.policy != "priority":
             raise ValueError("priority is only honoured with scheduling_policy='priority'.")
-        pooling_model = self.config.model_config.runner_type == "pooling"
-        if isinstance(params, PoolingParams) != pooling_model:
-            raise ValueError(
-                "This model is served for pooling (embeddings): it generates no text."
-                if pooling_model
-                else "This model is served for generation; embeddings need a pooling model (--runner pooling)."
-            )
-        if pooling_model:
+        if self._pools(params):
             return self._pooling_request(request_id, prompt, params, priority, arrival_time)
-        text, token_ids = self.tokenize_prompt(prompt)
+        embeds = self._prompt_embeds(prompt, params)
+        text, token_ids = (None, [0] * len(embeds)) if embeds is not None else self.tokenize_prompt(prompt)
         room = self._check_prompt_length(token_ids)
         self._check_logprobs(params)
         # compiled here, before anything is queued: a bad schema fails the request, never a step
@@ -114,6 +110,7 @@ class InputProcessor:
         spec, bad_words = self._logits_spec(params)
         self._check_masked(params, bad_words)
         best_of = params.best_of or params.n
+        parent_digest = None if embeds is None else hashlib.sha256(embeds.tobytes()).digest()
         parent = ParentRequest(
             request_id,
             text,
@@ -122,12 +119,15 @@ class InputProcessor:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             n=params.n,
             best_of=best_of,
+            from_embeds=embeds is not None,
         )
         # a beam search step: the prompt's tokens from here on are output its grammar accepted
         start = prompt.get("structured_output_start") if isinstance(prompt, Mapping) else None
         for i in range(best_of):
             child = self._child(parent, i, params, priority, room)
             child.logits_spec, child.bad_words = spec, bad_words
+            if embeds is not None:
+                child.prompt_embeds, child.embeds_digest = embeds, parent_digest
             if grammar is not None:
                 matcher = grammar if i == 0 else grammar.deep_copy()
                 prompt_ids, accepted = (
@@ -142,12 +142,39 @@ class InputProcessor:
             parent.detokenizers.append(det)
         return parent
 
+    def _pools(self, params: SamplingParams | PoolingParams) -> bool:
+        """Whether the request is a pooling one; ValueError when the model serves the other kind."""
+        pooling_model = self.config.model_config.runner_type == "pooling"
+        if isinstance(params, PoolingParams) != pooling_model:
+            raise ValueError(
+                "This model is served for pooling (embeddings): it generates no text."
+                if pooling_model
+                else "This model is served for generation; embeddings need a pooling model (--runner pooling)."
+            )
+        return pooling_model
+
+    def _prompt_embeds(self, prompt: PromptType, params) -> np.ndarray | None:
+        """A prompt given as embeddings ({"prompt_embeds": array}): float32 [length, hidden], checked
+        (vLLM's words where it has them); None for any other prompt."""
+        if not (isinstance(prompt, Mapping) and "prompt_embeds" in prompt):
+            return None
+        mc = self.config.model_config
+        if not mc.enable_prompt_embeds:
+            raise ValueError("You must set `--enable-prompt-embeds` to input `prompt_embeds`.")
+        if params.prompt_logprobs is not None:
+            raise ValueError(
+                "prompt_logprobs needs the prompt's token ids: a prompt given as embeddings has none."
+            )
+        return as_prompt_embeds(prompt["prompt_embeds"], embedding_width(mc.hf_config))
+
     def _pooling_request(
         self, request_id: str, prompt: PromptType, params: PoolingParams, priority: int, arrival_time
     ) -> ParentRequest:
         """A pooling request: its prompt (the last truncate_prompt_tokens of it, if asked), up to
         max_model_len tokens, run once; its dimensions and normalization resolved against the
         model's pooler (vLLM's checks and words)."""
+        if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
+            raise ValueError("prompt_embeds are served to generation models only.")
         text, token_ids = self.tokenize_prompt(prompt)
         mc = self.config.model_config
         params = _resolved_pooling(params, mc)

@@ -168,7 +168,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
+            prompt_token_ids=None if parent.from_embeds else parent.prompt_token_ids,
             outputs=completions,
             finished=parent.finished,
             prompt_logprobs=prompt_logprobs,

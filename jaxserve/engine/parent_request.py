@@ -36,6 +36,7 @@ class ParentRequest:
     # output_kind DELTA: per child, the output tokens already reported; whether the prompt's were
     reported: list[int] = field(default_factory=list)
     prompt_reported: bool = False
+    from_embeds: bool = False  # the prompt came as embeddings: its token ids are placeholders
 
     @cached_property  # asked every step; fixed once the children exist
     def reports_progress(self) -> bool:

@@ -41,6 +41,11 @@ class Request:
     # chunk) has its PoolingParams, resolved by the InputProcessor, and its chunks' sums so far.
     pooling_params: PoolingParams | None = None
     pooled: PooledSums | None = None
+    # A prompt given as embeddings: float32 [num_prompt_tokens, hidden] fed in place of the
+    # embedding table's rows (its prompt_token_ids are placeholders, 0), and the sha256 of their
+    # bytes (the root of its prefix-cache chain); None for a prompt of tokens.
+    prompt_embeds = None
+    embeds_digest: bytes | None = None
 
     def __init__(
         self,

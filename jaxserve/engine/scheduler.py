@@ -421,8 +421,11 @@ class Scheduler:
         processor_init = None
         if req.logits_spec is not None and req.processor_slot < 0:
             req.processor_slot = self._free_processor_slots.pop()
+            prompt_ids = (
+                () if req.prompt_embeds is not None else tuple(req.prompt_token_ids)
+            )  # (placeholders)
             processor_init = ProcessorSlotInit(
-                req.processor_slot, req.logits_spec, tuple(req.prompt_token_ids), tuple(req.output_token_ids)
+                req.processor_slot, req.logits_spec, prompt_ids, tuple(req.output_token_ids)
             )
         sampling = None
         if end == known + req.num_output_placeholders and req.pooling_params is None:
@@ -442,12 +445,17 @@ class Scheduler:
             feed_from_row,
             req.lora_slot,
             len(drafts),
+            None if req.prompt_embeds is None else _embeds_rows(req, start, end),
         )
 
     def _cache_root(self, req: Request):
-        """Where the request's chain of page hashes starts: its adapter's root, or None."""
+        """Where the request's chain of page hashes starts: its adapter's root, or None; then,
+        for a prompt given as embeddings, the digest of their bytes."""
         lora = req.lora_request
-        return None if lora is None else self.block_manager.root(lora.lora_int_id)
+        root = None if lora is None else self.block_manager.root(lora.lora_int_id)
+        if req.embeds_digest is not None:
+            root = self.block_manager.embeds_root(root, req.embeds_digest)
+        return root
 
     def _release_slots(self, req: Request) -> None:
         """Give back the request's device slots: its processor slot and its LoRA slot's pin."""
@@ -619,6 +627,12 @@ class Scheduler:
         for req in list(self.running):
             self._preempt(req, counted=False)  # not a preemption for lack of pages
         self.block_manager.reset_prefix_cache()
+
+
+def _embeds_rows(req: Request, start: int, end: int):
+    """The embeddings of a prompt given as such for its positions [start, end), or None past the
+    prompt (a request recomputed after preemption feeds its output tokens as tokens)."""
+    return req.prompt_embeds[start:end] if start < req.num_prompt_tokens else None
 
 
 def _priority_key(req: Request) -> tuple[int, float]:

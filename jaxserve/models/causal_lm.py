@@ -8,10 +8,28 @@ logits at the sampled rows only, or, for prompt logprobs, at every fed token a c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.layers.attention import AttentionMetadata
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class InputEmbeds:
+    """Rows fed to the layers in place of the embedding module's: a prompt given as embeddings
+    (jaxserve/prompt_embeds.py). They replace what transformers' embedding module gives (Gemma's
+    rows already scaled by it) and go through what its model does with inputs_embeds after that
+    (OPT's projection in and learned positions, GPT-2's positions)."""
+
+    rows: jax.Array  # [num_tokens, embedding width] float32
+    mask: jax.Array  # [num_tokens] int32: 1 where a row replaces the table's
+
+    def over(self, x: jax.Array) -> jax.Array:
+        return jnp.where(self.mask[:, None] > 0, self.rows.astype(x.dtype), x)
 
 
 class CausalLM(nnx.Module):
@@ -37,6 +55,7 @@ class CausalLM(nnx.Module):
         kv_pool: jax.Array,  # [num_layers * pages_per_layer, 2 * num_kv_heads, page_size, head_dim]
         meta: AttentionMetadata,
         lora_slots: jax.Array | None = None,  # [num_tokens] int32, each token's LoRA slot (-1: none)
+        input_embeds: InputEmbeds | None = None,  # rows fed in place of the embedding table's
     ) -> tuple[jax.Array, jax.Array]:  # ([num_tokens, hidden], before the final norm; kv_pool)
         raise NotImplementedError
 

@@ -46,7 +46,7 @@ from jaxserve.layers.linear import (
 from jaxserve.layers.moe import MoEArgs, moe_mlp
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rotary import apply_rope, rope_attention_scaling, rope_inv_freq
-from jaxserve.models.causal_lm import CausalLM
+from jaxserve.models.causal_lm import CausalLM, InputEmbeds
 
 
 @dataclass(frozen=True)
@@ -235,6 +235,7 @@ class LlamaForCausalLM(CausalLM):
         kv_pool: jax.Array,  # [num_layers * pages_per_layer, 2 * num_kv_heads, page_size, head_dim]
         meta: AttentionMetadata,
         lora_slots: jax.Array | None = None,  # [num_tokens] int32, each token's LoRA slot (-1: none)
+        input_embeds: InputEmbeds | None = None,  # rows fed in place of the embedding table's
     ) -> tuple[jax.Array, jax.Array]:  # ([num_tokens, hidden], before the final norm; kv_pool)
         a = self.args
         num_tokens = input_ids.shape[0]
@@ -247,6 +248,8 @@ class LlamaForCausalLM(CausalLM):
         x = embed(self.embed_tokens.value, scale, input_ids, self.dtype)  # [num_tokens, hidden]
         if a.embed_scale is not None:
             x = x * jnp.asarray(a.embed_scale, x.dtype)
+        if input_embeds is not None:
+            x = input_embeds.over(x)
 
         def norm(x, weight):
             return rms_norm(x, weight, a.rms_norm_eps, a.norm_offset)

@@ -26,7 +26,7 @@ from jaxserve.config import LoRAConfig
 from jaxserve.layers.activation import ACTIVATIONS
 from jaxserve.layers.attention import AttentionMetadata, paged_attention, sequence_attention
 from jaxserve.layers.linear import kernel_params, linear, linears, lora_mask, lora_params
-from jaxserve.models.causal_lm import CausalLM
+from jaxserve.models.causal_lm import CausalLM, InputEmbeds
 from jaxserve.models.llama import _param
 
 
@@ -191,6 +191,7 @@ class OPTForCausalLM(CausalLM):
         kv_pool: jax.Array,  # [num_layers * pages_per_layer, 2 * num_kv_heads, page_size, head_dim]
         meta: AttentionMetadata,
         lora_slots: jax.Array | None = None,  # [num_tokens] int32, each token's LoRA slot (-1: none)
+        input_embeds: InputEmbeds | None = None,  # rows fed in place of the embedding table's
     ) -> tuple[jax.Array, jax.Array]:  # ([num_tokens, hidden], before the final norm; kv_pool)
         a = self.args
         num_tokens = input_ids.shape[0]
@@ -198,6 +199,8 @@ class OPTForCausalLM(CausalLM):
         lora = lora_mask(lora_slots, a.lora)
         act = ACTIVATIONS[a.activation]
         x = self.embed_tokens.value[input_ids]
+        if input_embeds is not None:
+            x = input_embeds.over(x)
         if a.word_embed_proj_dim != a.hidden_size:
             x = x @ self.project_in.value
         x = x + self.embed_positions.value[positions + a.position_offset]

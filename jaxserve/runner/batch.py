@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.layers.sampler import SamplingArrays
+from jaxserve.models.causal_lm import InputEmbeds
 from jaxserve.scheduler_output import FLOAT_COLUMNS, INT_COLUMNS, MAX_BANNED_TOKENS, SchedulerOutput
 
 _TOKEN_IDS, _START_POS, _BLOCK_IDS, _SAMPLING, _PROMPT_TARGETS, _FEED_FROM_ROW, _NUM_DRAFTS = (
@@ -31,7 +32,9 @@ _TOKEN_IDS, _START_POS, _BLOCK_IDS, _SAMPLING, _PROMPT_TARGETS, _FEED_FROM_ROW, 
         "token_ids", "start_pos", "block_ids", "sampling", "prompt_logprob_targets", "feed_from_row", "num_drafts"
     )
 )  # fmt: skip
-_FLOAT_PARAMS, _INT_PARAMS, _LORA_SLOT = map(attrgetter, ("float_params", "int_params", "lora_slot"))
+_FLOAT_PARAMS, _INT_PARAMS, _LORA_SLOT, _PROMPT_EMBEDS = map(
+    attrgetter, ("float_params", "int_params", "lora_slot", "prompt_embeds")
+)
 
 
 @jax.tree_util.register_dataclass
@@ -57,6 +60,8 @@ class BatchInputs:
     # sequence i's logits rows are [cu_num_logits[i], cu_num_logits[i + 1])
     draft_tokens: np.ndarray | None = None
     cu_num_logits: np.ndarray | None = None
+    # Prompts given as embeddings: their rows at their tokens' places; None when no row has any
+    input_embeds: InputEmbeds | None = None
 
 
 class _Ragged(NamedTuple):
@@ -128,6 +133,7 @@ def prepare(
         prompt_targets=_prompt_targets(seqs, ragged, num_tokens),
         feed_rows=_feed_rows(seqs, ragged, num_tokens),
         lora_slots=lora_slots,
+        input_embeds=_input_embeds(list(map(_PROMPT_EMBEDS, seqs)), ragged, num_tokens),
     )
     if logits_per_seq > 1:
         return _verify_layout(inputs, seqs, ragged, min(num_tokens, num_seqs * logits_per_seq))
@@ -260,6 +266,21 @@ def _prompt_targets(seqs, ragged: _Ragged, num_tokens: int) -> np.ndarray:
             if targets:
                 out[ragged.cu[i] : ragged.cu[i] + len(targets)] = targets
     return out
+
+
+def _input_embeds(all_embeds: list, ragged: _Ragged, num_tokens: int) -> InputEmbeds | None:
+    """The rows of the prompts given as embeddings at their tokens' places in the token bucket
+    (each row's first tokens), and where they are; None when no row has any."""
+    present = [(i, e) for i, e in enumerate(all_embeds) if e is not None]
+    if not present:
+        return None
+    rows = np.zeros((num_tokens, present[0][1].shape[1]), np.float32)
+    mask = np.zeros(num_tokens, np.int32)
+    for i, e in present:
+        at = ragged.cu[i]
+        rows[at : at + len(e)] = e
+        mask[at : at + len(e)] = 1
+    return InputEmbeds(rows, mask)
 
 
 def _feed_rows(seqs, ragged: _Ragged, num_tokens: int) -> np.ndarray:

@@ -37,8 +37,8 @@ from jaxserve.pooling_params import TOKENWISE_TYPES
 from jaxserve.runner.batch import BatchInputs, PackedBatch, unpacked
 from jaxserve.scheduler_output import SchedulerOutput, TopLogprobs
 
-_SAMPLING, _PROMPT_TARGETS, _EXTRAS, _NUM_DRAFTS = map(
-    attrgetter, ("sampling", "prompt_logprob_targets", "extras", "num_drafts")
+_SAMPLING, _PROMPT_TARGETS, _EXTRAS, _NUM_DRAFTS, _PROMPT_EMBEDS = map(
+    attrgetter, ("sampling", "prompt_logprob_targets", "extras", "num_drafts", "prompt_embeds")
 )
 # Rows of prompt logprobs computed at once: their [rows, vocab] float32 logits are live together.
 PROMPT_CHUNK = 512
@@ -59,6 +59,8 @@ class StepVariant:
     with_prompt_logprobs: bool = False
     # A packed token mask per row (structured outputs); runs as forward + sample_step.
     with_token_bitmask: bool = False
+    # Rows fed in place of the embedding table's at some tokens (prompts given as embeddings).
+    with_prompt_embeds: bool = False
     # The program's kind: "generate" samples one token per sequence; "verify" (speculative
     # decoding) samples at each proposed token too and keeps the samples that agree with the
     # proposals, plus one (BatchInputs' verify layout); "pool" (a pooling model's only kind)
@@ -93,6 +95,7 @@ class StepVariant:
             with_top_logprobs=any(n[1] for n in needs),
             with_prompt_logprobs=any(map(_PROMPT_TARGETS, sched.seqs)),
             with_token_bitmask=any(n[2] for n in needs),
+            with_prompt_embeds=any(e is not None for e in map(_PROMPT_EMBEDS, sched.seqs)),
             kind="verify" if any(map(_NUM_DRAFTS, sched.seqs)) else "generate",
         )
 
@@ -134,8 +137,10 @@ def forward(
     inputs = unpacked(inputs)
     model = nnx.merge(graphdef, state)
     fed = jnp.where(inputs.feed_rows >= 0, last_tokens[jnp.maximum(inputs.feed_rows, 0)], inputs.input_ids)
-    lora = {} if inputs.lora_slots is None else {"lora_slots": inputs.lora_slots}
-    hidden, kv_pool = model.hidden_states(fed, inputs.positions, kv_pool, inputs.meta, **lora)
+    extra = {} if inputs.lora_slots is None else {"lora_slots": inputs.lora_slots}
+    if variant.with_prompt_embeds:
+        extra["input_embeds"] = inputs.input_embeds
+    hidden, kv_pool = model.hidden_states(fed, inputs.positions, kv_pool, inputs.meta, **extra)
     logits = model.compute_logits(hidden[inputs.logits_indices])
     prompt = None
     if variant.with_prompt_logprobs:

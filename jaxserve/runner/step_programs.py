@@ -14,6 +14,7 @@ lowered and compiled.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
@@ -27,6 +28,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.layers.attention import pool_head_dim
 from jaxserve.layers.sampler import ProcessorState
 from jaxserve.loader.model_loader import abstract_model, build_model_args
+from jaxserve.models.causal_lm import InputEmbeds
+from jaxserve.prompt_embeds import embedding_width
 from jaxserve.runner import batch as batch_lib
 from jaxserve.runner import kv_scales
 from jaxserve.runner.bucketing import Buckets
@@ -56,6 +59,7 @@ class StepLayout:
     kv_scales: np.ndarray | None  # [num_layers, 2] a quantized pool's initial scales
     with_lora: bool  # the model has LoRA slots
     num_speculative_tokens: int = 0  # most proposed tokens a sequence is fed (the verify layout)
+    embeds_width: int = 0  # the rows of prompts given as embeddings (0: the engine takes none)
 
     @classmethod
     def plan(cls, config: EngineConfig, args, mesh, with_lora: bool, memory_stats=None) -> StepLayout:
@@ -94,6 +98,7 @@ class StepLayout:
             num_speculative_tokens=config.speculative_config.num_speculative_tokens
             if config.speculative_config
             else 0,
+            embeds_width=embedding_width(mc.hf_config) if mc.enable_prompt_embeds else 0,
         )
 
     @property
@@ -192,6 +197,11 @@ class StepPrograms:
         compiled = self.compiled.get((bucket, variant))
         if compiled is None:
             empty = self.layout.prepare(SchedulerOutput(seqs=()), bucket, verify=variant.kind == "verify")
+            if variant.with_prompt_embeds:
+                rows = np.zeros((bucket[0], self.layout.embeds_width), np.float32)
+                empty = dataclasses.replace(
+                    empty, input_embeds=InputEmbeds(rows, np.zeros(bucket[0], np.int32))
+                )
             inputs = abstract(batch_lib.PackedBatch.pack(empty), self.replicated)
             processors = self.processors if variant.with_processor_state else None
             last = self.last_tokens
@@ -202,7 +212,9 @@ class StepPrograms:
                 # the forward pass reads no sampling option: variants that differ in those alone
                 # share one program (per input shapes, which tell the kinds apart)
                 fwd_variant = StepVariant(
-                    with_prompt_logprobs=variant.with_prompt_logprobs, with_token_bitmask=True
+                    with_prompt_logprobs=variant.with_prompt_logprobs,
+                    with_token_bitmask=True,
+                    with_prompt_embeds=variant.with_prompt_embeds,
                 )
                 fwd = self._build("forward", fwd_variant, fwd_args)
                 with jax.set_mesh(self.mesh):

@@ -11,14 +11,11 @@ import openai
 import pytest
 from aiohttp import ClientSession
 from aiohttp.test_utils import TestServer
-from server_inputs import MAX_TOKENS, MODEL, PROMPTS
+from server_inputs import MAX_TOKENS, MODEL, PROMPTS, start_server
 from tiny_models import engine_kwargs
 
 from jaxserve.args import EngineArgs
-from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.entrypoints.openai.api_server import HANDLER_SETTINGS, build_app
-from jaxserve.entrypoints.openai.server_args import ServerArgs
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -57,14 +54,8 @@ async def make_server(llm_engine, reference):
     servers = []
 
     async def start(max_body_bytes: int | None = None, ssl=None, **server_args) -> TestServer:
-        engine = AsyncLLMEngine(llm_engine)
-        kwargs = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
-        app = build_app(engine, ServerArgs(**{"disable_log_stats": True, **server_args}), **kwargs)
-        server = TestServer(app, host="127.0.0.1", **HANDLER_SETTINGS)
-        await server.start_server(ssl=ssl)
-        server.engine = engine
-        servers.append(server)
-        return server
+        servers.append(await start_server(llm_engine, max_body_bytes, ssl, **server_args))
+        return servers[-1]
 
     yield start
     for server in servers:

@@ -9,15 +9,11 @@ import json
 import openai
 import pytest
 from aiohttp import ClientSession
-from aiohttp.test_utils import TestServer
-from server_inputs import MAX_TOKENS, MODEL, PROMPTS
+from server_inputs import MAX_TOKENS, MODEL, PROMPTS, start_server
 from tiny_models import engine_kwargs
 
 from jaxserve.args import EngineArgs
-from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.entrypoints.openai.api_server import HANDLER_SETTINGS, build_app
-from jaxserve.entrypoints.openai.server_args import ServerArgs
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
 
@@ -34,12 +30,7 @@ def spec_engine(request, tiny_llama_gqa) -> LLMEngine:
 
 @pytest.fixture
 async def base_url(spec_engine):
-    server = TestServer(
-        build_app(AsyncLLMEngine(spec_engine), ServerArgs(disable_log_stats=True)),
-        host="127.0.0.1",
-        **HANDLER_SETTINGS,
-    )
-    await server.start_server()
+    server = await start_server(spec_engine)
     yield str(server.make_url("/v1"))
     await server.close()
 

@@ -22,7 +22,7 @@ GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, out
 
 def test_every_variant_once_the_plain_one_first():
     variants = StepVariant.all()
-    assert len(variants) == len(set(variants)) == 34  # two sampling kinds, four options; two pool kinds
+    assert len(variants) == len(set(variants)) == 66  # two sampling kinds, five options; two pool kinds
     assert variants[0] == StepVariant()
     assert {v.kind for v in variants} == {"generate", "verify", "pool", "pool_all"}
     pooling = [v for v in variants if v.kind.startswith("pool")]

@@ -244,7 +244,9 @@ MAX_PROMPTS_PER_REQUEST = 2048
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(union_mode="left_to_right")
+    prompt: str | list[str] | list[int] | list[list[int]] | None = Field(None, union_mode="left_to_right")
+    # vLLM's prompt embeddings: base64 torch.save files of [length, hidden] tensors (one or a list)
+    prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
@@ -261,8 +263,28 @@ class CompletionRequest(_SamplingRequest):
         return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
-        """The prompt field as a list of prompts (text or token ids)."""
+        """The prompt field as a list of prompts (text or token ids); none beside prompt_embeds."""
+        if self.prompt is None or (self.prompt_embeds is not None and self.prompt in ("", [])):
+            if self.prompt_embeds is None:
+                raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+            return []
         return prompt_list(self.prompt, "prompt")
+
+    def embeds_list(self) -> list[str]:
+        """The prompt_embeds field as a list of base64 tensors (they come before the prompts)."""
+        embeds = self.prompt_embeds
+        if embeds is None:
+            return []
+        embeds = [embeds] if isinstance(embeds, str) else embeds
+        if not embeds or len(embeds) > MAX_PROMPTS_PER_REQUEST:
+            raise bad_request(
+                f"prompt_embeds must hold 1 to {MAX_PROMPTS_PER_REQUEST} tensors.", "prompt_embeds"
+            )
+        if self.echo:
+            raise bad_request("echo is not supported with prompt_embeds.", "echo")
+        if self.use_beam_search:
+            raise bad_request("use_beam_search is not supported with prompt_embeds.", "use_beam_search")
+        return embeds
 
 
 def prompt_list(p: str | list, field: str) -> list[str | list[int]]:

@@ -29,7 +29,9 @@ class OpenAIServingCompletion(OpenAIServing):
         body.check_logprobs()
         if body.suffix is not None:
             raise ValueError("suffix is not supported.")
-        prompts: list[Prompt] = []
+        prompts: list[Prompt] = [
+            self.embeds_prompt(e, body.truncate_prompt_tokens) for e in body.embeds_list()
+        ]
         for p in body.prompts():
             if isinstance(p, str):
                 prompts.append(self.tokenize(p, body.add_special_tokens, body.truncate_prompt_tokens))

@@ -33,6 +33,7 @@ from jaxserve.entrypoints.openai.server_args import ServerArgs
 from jaxserve.entrypoints.openai.stream_merge import merge_streams
 from jaxserve.lora.modules import LoRAModules
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.prompt_embeds import as_prompt_embeds, decode_tensor, embedding_width
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("jaxserve.entrypoints.openai")
@@ -109,6 +110,15 @@ class OpenAIServing:
         ids = list(ids)
         return {"prompt": text, "prompt_token_ids": ids[-truncate:] if truncate else ids}
 
+    def embeds_prompt(self, data: str, truncate: int | None = None) -> Prompt:
+        """A prompt given as embeddings (a base64 torch.save tensor, vLLM's wire format): its last
+        `truncate` rows if asked; token ids as placeholders, for its length."""
+        if not self.model_config.enable_prompt_embeds:
+            raise ValueError("You must set `--enable-prompt-embeds` to input `prompt_embeds`.")
+        embeds = as_prompt_embeds(decode_tensor(data), embedding_width(self.model_config.hf_config))
+        embeds = embeds[-truncate:] if truncate else embeds
+        return {"prompt": None, "prompt_token_ids": [0] * len(embeds), "prompt_embeds": embeds}
+
     def render_chat(self, body: ChatCompletionRequest | TokenizeChatRequest) -> str:
         """The conversation as the prompt text the model's chat template makes of it."""
         tokenizer = self.require_tokenizer()
@@ -128,6 +138,8 @@ class OpenAIServing:
         if limit is not None:
             text = text[:limit] if text is not None else None
             ids = ids[:limit]
+        if "prompt_embeds" in prompt:  # (its ids are placeholders)
+            ids = f"none ({len(prompt['prompt_embeds'])} prompt embeddings)"
         logger.info(
             "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", request_id, text, params, ids
         )
