@@ -135,10 +135,8 @@ class EngineArgsFields:
     swap_space: float = arg(
         G.CACHE,
         4,
-        "GiB of host memory for preempted KV pages (swap preemption). jaxserve preempts by recompute "
-        "and keeps no KV pages in host memory: only 0 or the default, which reserves nothing.",
-        tier="B",
-        supported=(4, 0),
+        "GiB of host memory for preempted requests' KV pages (--preemption-mode swap); taken as "
+        "requests are swapped out, never reserved.",
     )
     kv_cache_dtype: str = arg(
         G.CACHE,
@@ -178,7 +176,6 @@ class EngineArgsFields:
         "recompute",
         "How a preempted sequence gets its KV pages back.",
         choices=("recompute", "swap"),
-        supported=("recompute",),
     )
     # ---- ParallelConfig
     tensor_parallel_size: int = arg(G.PARALLEL, 1, "Devices on the 'model' mesh axis.", short="-tp")

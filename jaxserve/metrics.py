@@ -67,6 +67,10 @@ class EngineMetrics:
         )
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self.num_requests_swapped = gauge("num_requests_swapped", "Requests whose KV waits in host memory.")
+        self.swap_out_bytes = counter(
+            "swap_out_bytes", "Bytes of KV copied out to host memory (swap preemption)."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Generation tokens processed.")
         self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Rows fed proposed tokens.")
@@ -132,6 +136,8 @@ class EngineMetrics:
         self.prefix_cache_queries.inc(max(sched.prefix_cache_queries - self._last.prefix_cache_queries, 0))
         self.prefix_cache_hits.inc(max(sched.prefix_cache_hits - self._last.prefix_cache_hits, 0))
         self.num_preemptions.inc(max(sched.num_preemptions - self._last.num_preemptions, 0))
+        self.num_requests_swapped.set(sched.num_swapped)
+        self.swap_out_bytes.inc(max(sched.swap_out_bytes - self._last.swap_out_bytes, 0))
         if sched.spec is not None:
             self._record_spec(sched.spec.since(self._last.spec))
         self._last = sched

@@ -130,10 +130,25 @@ class ScheduledSeq(NamedTuple):
 
 
 @dataclass(frozen=True)
+class SwapOps:
+    """The copies one step asks the runner for, before it runs: (request id, page ids) out to host
+    memory, then (request id, page ids) back in; and host copies no longer needed (ids)."""
+
+    out: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    into: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    drop: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.out or self.into or self.drop)
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     seqs: tuple[ScheduledSeq, ...]  # rows with new tokens, in the order the runner lays them out
     # (slot, LoRARequest): adapters to write into their device slots before this step runs
     lora_loads: tuple[tuple[int, Any], ...] = ()
+    # swap preemption: KV pages to copy out to host memory and back in before the step runs
+    swap: SwapOps | None = None
 
     @functools.cached_property
     def num_tokens(self) -> int:

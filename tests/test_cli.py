@@ -111,7 +111,7 @@ def test_bad_flag_values_exit_2_with_one_line(model_dir, flags, named, capsys):
             "quantization-param-path",
         ),
         (["--quantization-param-path", "s.json", "--calculate-kv-scales"], "not both"),
-        (["--preemption-mode", "swap"], "preemption_mode"),
+        (["--preemption-mode", "swap", "--swap-space", "-2"], "swap_space"),
     ],
 )
 def test_values_the_engine_refuses_exit_2_with_one_line(model_dir, flags, named, capsys):

@@ -308,7 +308,8 @@ def test_value_jaxserve_lacks_is_refused_in_one_line(served, capsys, flag, value
 @pytest.mark.parametrize(
     "argv, name, expected",
     [
-        (["--swap-space", "0"], "swap_space", 0.0),  # no host swap: what jaxserve has
+        (["--swap-space", "0"], "swap_space", 0.0),  # no host swap: every preemption recomputes
+        (["--swap-space", "8", "--preemption-mode", "swap"], "swap_space", 8.0),
         (["--lora-extra-vocab-size", "0"], "lora_extra_vocab_size", 0),
         (["--lora-dtype", "float32"], "lora_dtype", "float32"),  # the LoRA weights' own dtype
         (["--tokenizer-mode", "auto"], "tokenizer_mode", "auto"),
@@ -328,7 +329,6 @@ def test_values_jaxserve_honours_start_without_a_warning(served, caplog, argv, n
         (["--tokenizer-mode", "slow"], "--tokenizer-mode"),
         (["--lora-dtype", "bfloat16"], "--lora-dtype"),
         (["--lora-dtype", "float16"], "--lora-dtype"),
-        (["--swap-space", "8"], "--swap-space"),
         (["--lora-extra-vocab-size", "512"], "--lora-extra-vocab-size"),
         (["--speculative-config.method", "ngram"], "num_speculative_tokens"),
         (["--speculative-config", '{"method": "eagle3", "model": "x"}'], "'eagle3' is not supported"),

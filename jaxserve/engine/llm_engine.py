@@ -39,6 +39,7 @@ from jaxserve.engine.parent_request import ParentRequest
 from jaxserve.engine.request import RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.stats import IterationStats, SchedulerStats
+from jaxserve.engine.swap_space import SwapSpace
 from jaxserve.engine.tracing import RequestTracer
 from jaxserve.loader.generation_config import read_generation_config, sampling_defaults
 from jaxserve.loader.tokenizer import load_tokenizer
@@ -109,6 +110,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, self.runner.num_blocks,
             lora.max_loras if lora else 0, clock, config.speculative_config, self.draft,
+            SwapSpace.of(config, self.runner),
         )  # fmt: skip
         self.adapters = None  # LoRA adapters read from disk, by lora_int_id (lora/adapter.py)
         if lora is not None:

@@ -43,6 +43,7 @@ from jaxserve.engine.request_rows import (
 )
 from jaxserve.engine.stats import SpecDecodingStats
 from jaxserve.engine.step_plan import Admission, InFlightStep, StepPlan
+from jaxserve.engine.swap_space import SwapSpace
 from jaxserve.scheduler_output import (
     PLACEHOLDER_TOKEN,
     ModelRunnerOutput,
@@ -63,15 +64,16 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         speculative_config: SpeculativeConfig | None = None,
         proposer: Proposer | None = None,
+        swap_space: SwapSpace | None = None,
     ) -> None:
         """clock: the engine's clock, the one requests' arrival times are on (seconds).
         speculative_config: rows of decoding requests are fed proposed tokens (spec_decode/), from
-        `proposer` if given (a draft model's, which the engine builds), else the method's own."""
+        `proposer` if given (a draft model's, which the engine builds), else the method's own.
+        swap_space: swap preemption's host pages (preemption_mode swap), which the engine sizes."""
         if scheduler_config.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {scheduler_config.policy!r}.")
-        if scheduler_config.preemption_mode != "recompute":
-            raise ValueError("Only preemption_mode='recompute' is supported.")
         self.config = scheduler_config
+        self.swap = swap_space  # preempted requests whose KV waits in host memory
         self.block_manager = BlockManager(
             num_blocks,
             cache_config.block_size,
@@ -282,8 +284,9 @@ class Scheduler:
             # a sibling sample: admitted once the first one has its prompt in pages; a
             # preempted request: once the token of the step in flight is back
             return Admission.SKIP
-        if req.wants_prompt_logprobs:  # every prompt token must run to give its logprobs
-            computed_blocks, num_cached = [], 0
+        swapped = self.swap is not None and req.request_id in self.swap.swapped
+        if req.wants_prompt_logprobs or swapped:  # every prompt token must run / its KV comes back
+            computed_blocks, num_cached = [], req.num_computed_tokens if swapped else 0
         else:
             computed_blocks, num_cached = self.block_manager.get_computed_blocks(
                 req.all_token_ids, self._cache_root(req)
@@ -300,6 +303,8 @@ class Scheduler:
             self._release_slots(req)
             return Admission.STOP
         self.waiting.pop(w)
+        if swapped:
+            self.swap.swap_in(req.request_id, self.block_manager.block_table(req.request_id))
         if req.status == RequestStatus.WAITING:  # its first time, not a preempted one's return
             req.num_cached_tokens = num_cached
             req.scheduled_time = now
@@ -324,7 +329,9 @@ class Scheduler:
             ]
         )
         lora_loads = self.lora_slots.take_loads() if self.lora_slots is not None else ()
-        sched = SchedulerOutput(seqs=seqs, lora_loads=lora_loads)
+        # (a step that does not run leaves its copies to the next one)
+        swap = self.swap.take() if self.swap is not None and seqs else None
+        sched = SchedulerOutput(seqs=seqs, lora_loads=lora_loads, swap=swap or None)
         if seqs:
             self._unreported[id(sched)] = InFlightStep(sched, tuple(sampled))
         return sched
@@ -381,12 +388,25 @@ class Scheduler:
     def _preempt(self, req: Request, counted: bool = True) -> None:
         """Preemption by recompute: drop the KV, keep the tokens; the request's prompt and
         outputs so far are prefilled again when it is readmitted (mostly from the prefix
-        cache, if its pages have not been evicted by then)."""
+        cache, if its pages have not been evicted by then). Or by swap (swap_space.py): its
+        pages go to host memory and come back when it is readmitted (not with proposals in
+        flight: the tokens they will keep are unknown)."""
         self.running.remove(req)
-        self.block_manager.free(req.request_id)
+        bm = self.block_manager
+        swapped = (
+            counted
+            and self.swap is not None
+            and not req.draft_token_ids
+            and req.pooling_params is None
+            and self.swap.swap_out(
+                req.request_id, req.num_computed_tokens, bm.block_size, bm.block_table(req.request_id)
+            )
+        )
+        bm.free(req.request_id)
         self._release_slots(req)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
+        if not swapped:
+            req.num_computed_tokens = 0
         req.draft_token_ids = ()
         if counted:
             req.num_preemptions += 1
@@ -612,6 +632,8 @@ class Scheduler:
             self.waiting.remove(req)
         del self.requests[req.request_id]
         self.block_manager.free(req.request_id)
+        if self.swap is not None:
+            self.swap.drop(req.request_id)
         self._release_slots(req)
         req.status = status
         req.draft_token_ids = ()

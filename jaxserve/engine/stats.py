@@ -24,6 +24,8 @@ class SchedulerStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     spec: SpecDecodingStats | None = None  # cumulative; None: no speculative decoding
+    num_swapped: int = 0  # requests whose KV waits in host memory (swap preemption)
+    swap_out_bytes: int = 0  # cumulative: bytes of KV copied out to host memory
 
     @classmethod
     def of(cls, scheduler) -> SchedulerStats:
@@ -40,6 +42,8 @@ class SchedulerStats:
             running_lora_adapters=running_loras,
             waiting_lora_adapters=waiting_loras,
             spec=None if scheduler.spec_stats is None else scheduler.spec_stats.snapshot(),
+            num_swapped=0 if scheduler.swap is None else len(scheduler.swap.swapped),
+            swap_out_bytes=0 if scheduler.swap is None else scheduler.swap.bytes_out,
         )
 
 

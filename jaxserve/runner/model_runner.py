@@ -42,6 +42,7 @@ from jaxserve.runner.processor_slots import ProcessorSlots
 from jaxserve.runner.step import StepResult, StepVariant, forward
 from jaxserve.runner.step_cache import StepCache
 from jaxserve.runner.step_programs import StepLayout, StepPrograms, abstract
+from jaxserve.runner.swap import SwapBuffers
 from jaxserve.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from jaxserve.sharding import make_mesh
 from pallas_kernels import native
@@ -151,13 +152,13 @@ class ModelRunner:
         self.num_top_logprobs = self.layout.num_top_logprobs
         # A quantized pool's per-layer key and value scales (runner/kv_scales.py), sent with each step.
         self.kv_scales = self.layout.kv_scales
+        # swap preemption: preempted requests' pages in host memory (runner/swap.py), else None
+        self.swapped = SwapBuffers.of(self.config.scheduler_config.preemption_mode, self.layout)
         kv_tokens = (self.num_blocks - 1) * self.page_size  # block 0 is never handed out
         logger.info(
             "KV cache size: %s tokens; maximum concurrency for %s tokens per request: %.2fx",
-            f"{kv_tokens:,}",
-            f"{max_model_len:,}",
-            kv_tokens / max_model_len,
-        )
+            f"{kv_tokens:,}", f"{max_model_len:,}", kv_tokens / max_model_len,
+        )  # fmt: skip
 
     def prepare(
         self, sched: SchedulerOutput, bucket: tuple[int, int], verify: bool = False
@@ -343,6 +344,8 @@ class ModelRunner:
                 fill_bitmask = None
         if self.channel is not None:
             self.channel.publish("dispatch", sched, None, bitmask)
+        if sched.swap:  # before the step, which may write into pages a swapped request gave back
+            self.kv_pool = self.swapped.apply(self.kv_pool, sched.swap)
         inputs = self.prepare(sched, bucket, variant.kind == "verify")
         for s in sched.seqs:
             if s.processor_init is not None:
