@@ -400,7 +400,12 @@ class EngineArgsFields:
     worker_cls: str = arg(G.PARALLEL, "auto", "Worker class.", tier="C")
     worker_extension_cls: str = arg(G.PARALLEL, "", "Worker extension class.", tier="C")
     # ---- CacheConfig, continued
-    cpu_offload_gb: float = arg(G.CACHE, 0, "GiB of weights kept in host memory.", tier="B")
+    cpu_offload_gb: float = arg(
+        G.CACHE,
+        0,
+        "GiB of each device's layer weights kept in host memory (pinned host memory), each layer's "
+        "copied in as the step reaches it; frees as much device memory for the KV cache.",
+    )
     calculate_kv_scales: bool = arg(
         G.CACHE,
         False,

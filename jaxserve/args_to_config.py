@@ -62,8 +62,10 @@ def validate(args: EngineArgsFields) -> None:
         raise ValueError(f"kv_cache_memory_bytes must be positive, got {args.kv_cache_memory_bytes}.")
     if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 2:
         raise ValueError("num_gpu_blocks_override must be at least 2 (one page is reserved for padding).")
-    if not isinstance(args.swap_space, (int, float)) or args.swap_space < 0:
-        raise ValueError(f"swap_space must be >= 0 (GiB), got {args.swap_space!r}.")
+    for name in ("swap_space", "cpu_offload_gb"):
+        value = getattr(args, name)
+        if not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{name} must be >= 0 (GiB), got {value!r}.")
     if args.long_prefill_token_threshold < 0:
         raise ValueError("long_prefill_token_threshold must be >= 0.")
     if not isinstance(args.scheduler_delay_factor, (int, float)) or args.scheduler_delay_factor < 0:
@@ -391,6 +393,7 @@ def _cache_config(args: EngineArgsFields, backend: str, model_dtype) -> CacheCon
         quantization_param_path=args.quantization_param_path,
         calculate_kv_scales=args.calculate_kv_scales,
         swap_space=args.swap_space,
+        cpu_offload_gb=args.cpu_offload_gb,
     )
     check_page_size(backend, cache.block_size, cache.kv_pool_dtype(model_dtype))
     return cache

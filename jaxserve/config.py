@@ -125,6 +125,7 @@ class CacheConfig:
     quantization_param_path: str | None = None  # a JSON file of the layers' KV scales
     calculate_kv_scales: bool = False  # measure them at start-up
     swap_space: float = 4.0  # GiB of host memory for preempted requests' pages (preemption_mode swap)
+    cpu_offload_gb: float = 0.0  # GiB of each device's layer weights kept in host memory
 
     def kv_pool_dtype(self, model_dtype: str) -> str:
         return KV_CACHE_DTYPES.get(self.cache_dtype, model_dtype)

@@ -232,6 +232,18 @@ def _q4_projections(x: jax.Array, w: Mapping[str, jax.Array], names: tuple[str, 
     return [y.reshape(*x.shape[:-1], -1).astype(x.dtype) for y in ys]
 
 
+def on_device(tree):
+    """The arrays of `tree`, each copied into device memory inside the step if it lives in host
+    memory (CPU weight offload: runner/offload.py); the others as they are."""
+
+    def one(x):
+        if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
+            return jax.device_put(x, jax.memory.Space.Device)
+        return x
+
+    return jax.tree.map(one, tree)
+
+
 class LayerWeights(Mapping):
     """One decoder layer's weights as a mapping, w[name] its slice of the stack [layers, ...]: most
     come sliced by the layer scan (`sliced`), a 4-bit kernel's stacks whole with the layer's index
@@ -254,7 +266,7 @@ class LayerWeights(Mapping):
 
     def __getitem__(self, name: str) -> jax.Array:
         if name in self._sliced:
-            return self._sliced[name]
+            return on_device(self._sliced[name])
         return self._stacks[name][self.index]
 
     def __contains__(self, name: object) -> bool:

@@ -24,6 +24,7 @@ from flax import nnx
 from jaxserve.config import LoRAConfig
 from jaxserve.layers.activation import ACTIVATIONS
 from jaxserve.layers.attention import AttentionMetadata, sequence_attention
+from jaxserve.layers.linear import on_device
 from jaxserve.layers.rotary import apply_rope, rope_inv_freq
 from jaxserve.models.causal_lm import CausalLM
 from jaxserve.models.llama import _param
@@ -136,7 +137,7 @@ class ModernBertModel(CausalLM):
         inv_freq = jnp.asarray([a.local_inv_freq, a.global_inv_freq], jnp.float32)
 
         def layer(x, xs):
-            w, index = xs
+            w, index = on_device(xs[0]), xs[1]
             is_global = (index % a.global_every == 0).astype(jnp.int32)
             h = jnp.where(index == 0, x, self._norm(x, w["attn_norm"], w.get("attn_norm_bias")))
             q, k, v = jnp.split((h @ w["qkv_proj"]).reshape(n, 3 * a.num_heads, a.head_dim), 3, axis=1)

@@ -25,7 +25,7 @@ from flax import nnx
 from jaxserve.config import LoRAConfig
 from jaxserve.layers.activation import ACTIVATIONS
 from jaxserve.layers.attention import AttentionMetadata, paged_attention, sequence_attention
-from jaxserve.layers.linear import kernel_params, linear, linears, lora_mask, lora_params
+from jaxserve.layers.linear import kernel_params, linear, linears, lora_mask, lora_params, on_device
 from jaxserve.models.causal_lm import CausalLM, InputEmbeds
 from jaxserve.models.llama import _param
 
@@ -214,7 +214,7 @@ class OPTForCausalLM(CausalLM):
 
         def layer(carry, xs):
             x, kv_pool = carry
-            w, index = xs
+            w, index = on_device(xs[0]), xs[1]
             h = norm(x, w, "attn_norm") if a.pre_norm else x
             q, k, v = linears(h, w, ("q", "k", "v"), lora)
             q = q.reshape(num_tokens, a.num_heads, a.head_dim)

@@ -38,6 +38,7 @@ from jaxserve.runner import sleep as sleep_mode
 from jaxserve.runner.bucket_compiles import BucketCompiles
 from jaxserve.runner.kv_cache import allocate_kv_pool
 from jaxserve.runner.lora_writer import LoRAWriter
+from jaxserve.runner.offload import offload_layers
 from jaxserve.runner.processor_slots import ProcessorSlots
 from jaxserve.runner.step import StepResult, StepVariant, forward
 from jaxserve.runner.step_cache import StepCache
@@ -120,10 +121,10 @@ class ModelRunner:
             self.kv_pool = allocating.result()
 
     def _load_weights(self, entry) -> None:
-        """The weights on the mesh (graphdef, state), the LoRA slots' writer and what adapters
-        the slots take."""
+        """The weights on the mesh (graphdef, state), the LoRA slots' writer and their adapters."""
         start = time.perf_counter()
         self.graphdef, self.state = self._load()
+        self.state, offloaded = offload_layers(self.state, self.config.cache_config.cpu_offload_gb)
         self.lora = LoRAWriter(self.state, self.args, self.mesh)
         lora = self.config.lora_config
         self.adapter_spec = (
@@ -132,12 +133,11 @@ class ModelRunner:
             else self.lora.adapter_spec(self.state, entry.model_cls, entry.split_tensors, lora)
         )
         logger.info(
-            "Loaded weights in %.2f s: %.1f MiB in all, %.1f MiB on the fullest of %d devices",
-            time.perf_counter() - start,
-            sum(x.nbytes for x in jax.tree.leaves(self.state)) / 2**20,
-            max(bytes_per_device(self.state).values()) / 2**20,
-            self.mesh.size,
-        )
+            "Loaded weights in %.2f s: %.1f MiB in all, %.1f MiB on the fullest of %d devices (%.1f MiB "
+            "of it in host memory: --cpu-offload-gb)",
+            time.perf_counter() - start, sum(x.nbytes for x in jax.tree.leaves(self.state)) / 2**20,
+            max(bytes_per_device(self.state).values()) / 2**20, self.mesh.size, offloaded / 2**20,
+        )  # fmt: skip
 
     def _plan_layout(self) -> None:
         """The step layout (runner/step_programs.py StepLayout) and the names this runner

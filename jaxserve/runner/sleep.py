@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Container, Hashable
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import SingleDeviceSharding
 
 # What a sleeping engine has let go of, and what wake_up(tags) may take back (vLLM's names).
 TAGS = ("weights", "kv_cache")
@@ -31,7 +32,11 @@ class HostShards:
         return sum(data.nbytes for _, data in self.shards)
 
     def to_device(self) -> jax.Array:
-        pieces = [jax.device_put(data, device) for device, data in self.shards]
+        kind = self.sharding.memory_kind  # (offloaded weights come back to host memory)
+        pieces = [
+            jax.device_put(data, SingleDeviceSharding(device, memory_kind=kind))
+            for device, data in self.shards
+        ]
         return jax.make_array_from_single_device_arrays(self.shape, self.sharding, pieces)
 
 
