@@ -30,7 +30,7 @@ def run(ns: argparse.Namespace) -> dict:
 
     from jaxserve import LLM, SamplingParams
 
-    common = dict(max_model_len=ns.prompt_len + ns.tokens + 8, use_tqdm_on_load=False,
+    common = dict(max_model_len=ns.prompt_len + ns.tokens + 8, use_tqdm_on_load=False, enable_prefix_caching=False,
                   compilation_config={"cache_dir": ""}, enforce_eager=ns.enforce_eager)  # fmt: skip
     if ns.quantization:
         common["quantization"] = ns.quantization

@@ -2,8 +2,8 @@
 too small for it, once per mode, rounds alternating in one process.
 
 N requests of P random prompt tokens each generate T tokens (greedy, EOS ignored) on the default
-model (or --model) with a pool of pages for about half of them at their full length, so running
-requests are preempted as they grow. Recompute prefills a preempted request's prompt and outputs
+model (or --model) with a pool of pages for half of the prompts and half of those requests'
+outputs, so running requests are preempted as they grow. Recompute prefills a preempted request's prompt and outputs
 again when it returns (prefix caching off, so nothing is found cached); swap copies its pages to
 host memory and back. Reported per mode: wall time per run (median of the rounds), output tokens/s,
 preemptions and swaps per run, bytes swapped out, and whether every run gave the tokens of the
@@ -32,10 +32,12 @@ def run(ns: argparse.Namespace) -> dict:
 
     from jaxserve import LLM, SamplingParams
 
-    full = -(-(ns.prompt_len + ns.tokens) // BLOCK_SIZE)
+    # pages for half of the prompts and half of those requests' growth: they are preempted as they grow
+    half = max(1, ns.requests // 2)
+    pool = 1 + half * (-(-ns.prompt_len // BLOCK_SIZE)) + half * -(-ns.tokens // BLOCK_SIZE) // 2
     common = dict(
         max_model_len=ns.prompt_len + ns.tokens, block_size=BLOCK_SIZE, enable_prefix_caching=False,
-        num_gpu_blocks_override=1 + full * max(1, ns.requests // 2), max_num_seqs=ns.requests,
+        num_gpu_blocks_override=pool, max_num_seqs=ns.requests,
         use_tqdm_on_load=False, compilation_config={"cache_dir": ""}, enforce_eager=ns.enforce_eager,
     )  # fmt: skip
     engines = {
