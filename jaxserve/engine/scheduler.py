@@ -193,7 +193,7 @@ class Scheduler:
         while i < len(running) and plan.budget > 0:
             req = running[i]
             n = self._chunk_size(req, req.num_computed_tokens, plan.budget)
-            if n == 1 and proposing:
+            if n == 1 and proposing and not req.num_output_placeholders:  # (proposals need its last token)
                 n += self._propose(req, plan.budget, drafts)
                 if n > 1 and not allocate(req.request_id, req.num_computed_tokens + n):
                     n, req.draft_token_ids = 1, ()  # proposals never cost another request its pages
@@ -353,11 +353,25 @@ class Scheduler:
         step = self._unreported.get(id(sched))
         if step is None or not step.sampled:
             return False
-        # speculative decoding: the next proposals follow the tokens this step keeps, and the
-        # next positions follow how many of this step's proposals it keeps
-        if self._proposing() or any(s.num_drafts for s in sched.seqs):
+        # speculative decoding: the next positions follow how many of this step's proposals it
+        # keeps, and the next proposals the tokens it samples; without proposals in this step, the
+        # next waits for its tokens only where one is likely (the proposer finds one on the tokens
+        # known now), else it is planned ahead without proposals like any asynchronous step
+        if any(s.num_drafts for s in sched.seqs) or (self._proposing() and self._would_propose(step.sampled)):
             return True
         return any(r.grammar is not None or r.bad_words for r in step.sampled)
+
+    def _would_propose(self, requests: list[Request]) -> bool:
+        """Whether the proposer has a proposal for some request on its tokens known now (the one
+        in flight left out); a draft model always has."""
+        if self.proposer.needs_pages:
+            return True
+        k = self.num_speculative_tokens
+        return any(
+            self.proposer.propose(r.request_id, r.all_token_ids, r.num_prompt_tokens, k)
+            for r in requests
+            if not r.is_finished
+        )
 
     def forget(self, sched: SchedulerOutput) -> None:
         """A step that never ran (its requests are failed): no update() will come for it."""

@@ -312,3 +312,25 @@ def test_a_draft_models_pool_comes_out_of_the_same_kv_budget(tiny_llama_gqa):
     assert alone.num_blocks == budget // per_block
     assert both.runner.num_blocks == budget // (2 * per_block) == both.draft.runner.num_blocks
     assert both.runner.kv_pool.nbytes + both.draft.runner.kv_pool.nbytes <= budget
+
+
+def test_steps_run_ahead_where_no_proposal_is_likely(plain, tiny_llama_gqa):
+    """An n-gram engine waits for a step's tokens before planning the next only where the
+    proposer finds a proposal on the tokens known then: text that repeats nothing of 4 tokens
+    (prompt_lookup_min 4) is planned ahead like a plain engine's, and gives its tokens."""
+    if not plain.llm_engine.async_scheduling:
+        pytest.skip("synchronous scheduling waits for every step's tokens")
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 4}
+    spec = LLM(tiny_llama_gqa[0], **_kwargs(speculative_config=config))
+    scheduler = spec.llm_engine.scheduler
+    waits = []
+    decide = scheduler.needs_tokens_before_next
+    scheduler.needs_tokens_before_next = lambda sched: waits.append(decide(sched)) or waits[-1]
+    distinct = [{"prompt_token_ids": [3 + 7 * i % 500 for i in range(30)]}]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    got = spec.generate(distinct, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == plain.generate(distinct, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert scheduler.spec_stats.num_drafts == 0 and waits and not any(waits)
+    waits.clear()  # a prompt that repeats itself: the next step waits, and is proposed for
+    _same(plain, spec, SamplingParams(max_tokens=12, temperature=0.0), PROMPTS[:1])
+    assert any(waits) and scheduler.spec_stats.num_drafts > 0
