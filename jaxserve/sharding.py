@@ -71,3 +71,12 @@ def state_shardings(state: nnx.State, mesh: Mesh, expert_parallel: bool = False)
         return named_sharding(mesh, axes, expert_parallel)
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes of the arrays in `tree` (concrete or abstract) on the fullest device (every device holds one shard of each)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shard = x.sharding.shard_shape(x.shape)
+        total += int(np.prod(shard)) * np.dtype(x.dtype).itemsize
+    return total

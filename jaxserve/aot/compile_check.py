@@ -27,7 +27,7 @@ from jaxserve.runner.kv_cache import abstract_kv_pool
 from jaxserve.runner.step import StepVariant
 from jaxserve.runner.step_cache import StepCache
 from jaxserve.runner.step_programs import StepLayout, StepPrograms
-from jaxserve.sharding import make_mesh
+from jaxserve.sharding import make_mesh, per_device_bytes
 from jaxserve.spec_decode.draft_model import compile_draft, draft_engine_config, draft_program
 
 
@@ -168,15 +168,6 @@ def variant_name(variant: StepVariant) -> str:
     if variant.kind != "generate":
         on.insert(0, variant.kind)
     return "+".join(on) or "plain"
-
-
-def per_device_bytes(tree) -> int:
-    """Bytes of abstract arrays on the fullest device (every device holds one shard of each)."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        shard = x.sharding.shard_shape(x.shape)
-        total += int(np.prod(shard)) * np.dtype(x.dtype).itemsize
-    return total
 
 
 def weight_roles(state) -> dict:

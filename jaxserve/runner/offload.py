@@ -19,6 +19,7 @@ import jax
 from flax import nnx
 
 from jaxserve.layers.linear import LayerWeights
+from jaxserve.sharding import per_device_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +36,14 @@ def offload_layers(state: nnx.State, gib: float) -> tuple[nnx.State, int]:
         for path, var in stacks.items()
         if path[-1] in sliced and "lora" not in "/".join(map(str, path))
     ]
-    candidates.sort(key=lambda pv: -_device_bytes(pv[1].get_value()))
+    candidates.sort(key=lambda pv: -per_device_bytes(pv[1].get_value()))
     moved, goal = 0, int(gib * (1 << 30))
     for _, var in candidates:
         if moved >= goal:
             break
         x = var.get_value()
         var.set_value(jax.device_put(x, x.sharding.with_memory_kind("pinned_host")))
-        moved += _device_bytes(x)
+        moved += per_device_bytes(x)
     if moved < goal:
         logger.warning(
             "--cpu-offload-gb %.2f: only %.2f GiB of each device's layer weights can move to host memory.",
@@ -50,12 +51,3 @@ def offload_layers(state: nnx.State, gib: float) -> tuple[nnx.State, int]:
             moved / (1 << 30),
         )
     return state, moved
-
-
-def _device_bytes(x: jax.Array) -> int:
-    """Bytes of x's shard on one device."""
-    shape = x.sharding.shard_shape(x.shape)
-    n = 1
-    for d in shape:
-        n *= d
-    return n * x.dtype.itemsize

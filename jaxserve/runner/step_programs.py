@@ -38,6 +38,7 @@ from jaxserve.runner.kv_cache import KVCacheSpec, abstract_kv_pool, num_blocks_f
 from jaxserve.runner.step import StepVariant, forward, sample_step, step
 from jaxserve.runner.step_cache import StepCache
 from jaxserve.scheduler_output import SchedulerOutput
+from jaxserve.sharding import per_device_bytes
 from pallas_kernels.ragged_paged_attention.reference import is_quantized
 
 Bucket = tuple[int, int]  # (token bucket, sequence bucket)
@@ -136,9 +137,7 @@ def draft_footprint(config: EngineConfig, mesh, page_size: int) -> tuple[int, in
     head_dim = pool_head_dim(config.compilation_config.attention_backend, args.head_dim)
     kv = KVCacheSpec(args.num_layers, args.num_kv_heads, head_dim, page_size, jnp.dtype(mc.dtype))
     _, state = abstract_model(mc, mesh, config.parallel_config)
-    leaves = jax.tree.leaves(state)
-    weights = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in leaves)
-    return kv.bytes_per_block, weights
+    return kv.bytes_per_block, per_device_bytes(state)
 
 
 def abstract(tree, sharding=None):
