@@ -185,7 +185,13 @@ class EngineArgsFields:
         "Engine replicas behind one server, each on its own tensor_parallel_size devices.",
         short="-dp",
     )
-    pipeline_parallel_size: int = arg(G.PARALLEL, 1, "Pipeline stages.", tier="B", short="-pp")
+    pipeline_parallel_size: int = arg(
+        G.PARALLEL,
+        1,
+        "Pipeline stages: the layers split into this many groups of consecutive layers, each on its "
+        "own tensor_parallel_size devices.",
+        short="-pp",
+    )
 
     # ---- ModelConfig, continued
     task: str = arg(

@@ -48,8 +48,8 @@ def validate(args: EngineArgsFields) -> None:
         )
     warnings = check_flag_values(args)
     positive = (
-        "max_num_seqs", "tensor_parallel_size", "max_logprobs", "max_num_batched_tokens",
-        "num_gpu_blocks_override",
+        "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size", "max_logprobs",
+        "max_num_batched_tokens", "num_gpu_blocks_override",
     )  # fmt: skip
     for name in positive:
         value = getattr(args, name)
@@ -178,6 +178,7 @@ def build_engine_config(args: EngineArgsFields) -> EngineConfig:
     backend = _attention_backend(args)
     model_config = model_config_from_args(args)
     _check_quantization_source(args.quantization, model_config)
+    _check_pipeline(args, model_config)
     scheduler_config = _scheduler_config(args, model_config.max_model_len)  # (checked before the cache)
     cache_config = _cache_config(args, backend, model_config.dtype)
     if model_config.runner_type == "pooling":
@@ -202,6 +203,7 @@ def build_engine_config(args: EngineArgsFields) -> EngineConfig:
         parallel_config=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
             data_parallel_size=args.data_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
             enable_expert_parallel=args.enable_expert_parallel,
         ),
         compilation_config=_compilation_config(args, backend),
@@ -349,12 +351,24 @@ def _attention_backend(args: EngineArgsFields) -> str:
             "in a step split over several (use pallas-gpu-interpret or reference with -tp)."
         )
     visible = len(devices())
-    if args.tensor_parallel_size * args.data_parallel_size > visible:
+    if args.tensor_parallel_size * args.pipeline_parallel_size * args.data_parallel_size > visible:
         raise ValueError(
-            f"tensor_parallel_size={args.tensor_parallel_size} x data_parallel_size="
-            f"{args.data_parallel_size} needs that many devices; {visible} visible."
+            f"tensor_parallel_size={args.tensor_parallel_size} x pipeline_parallel_size="
+            f"{args.pipeline_parallel_size} x data_parallel_size={args.data_parallel_size} needs that "
+            f"many devices; {visible} visible."
         )
     return backend
+
+
+def _check_pipeline(args: EngineArgsFields, model_config: ModelConfig) -> None:
+    """Each stage holds as many layers as the others: the layer count divides into the stages."""
+    stages = args.pipeline_parallel_size
+    layers = model_config.get("num_hidden_layers", model_config.get("n_layer"))
+    if stages > 1 and layers and layers % stages:
+        raise ValueError(
+            f"pipeline_parallel_size={stages} does not divide the model's {layers} layers into equal "
+            f"stages; choose a divisor of {layers}."
+        )
 
 
 def _scheduler_config(args: EngineArgsFields, max_len: int) -> SchedulerConfig:

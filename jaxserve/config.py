@@ -157,6 +157,7 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # stages of consecutive layers, each on its own tp devices
     # MoE layers split whole experts over the "model" axis instead of slicing every expert
     enable_expert_parallel: bool = False
 

@@ -161,6 +161,27 @@ def test_every_variant_compiles_with_quantized_weights_and_kv(tmp_path, shape_di
     assert all(p["kernels"] >= 1 for p in report["programs"] if p["part"] != "sample")
 
 
+def test_pipeline_stages_compile_for_tpu(tmp_path, shape_dir):
+    """pp=2 x tp=4 on a v5e-8: the stages' step (each stage's layer in turn on its own four chips,
+    through the Pallas kernel) and its verify program; each chip holds one stage's layers, so half
+    the pool's bytes per token of tp=4 alone, and half of every layer stack."""
+    flags = ["--topology", "v5e-8", "-tp", "4", "-pp", "2", *SMALL, "--programs", "quick"]
+    done, report = compile_check(tmp_path, shape_dir, *flags, "--speculative-config", NGRAM)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "v5e-8, tp=4 pp=2:" in done.stdout
+    programs = report["programs"]
+    assert [(tuple(p["bucket"]), p["variant"]) for p in programs] == [
+        ((16, 16), "plain"),
+        ((64, 16), "plain"),
+        ((16, 16), "verify"),
+    ]
+    assert all(p["error"] is None and p["kernels"] >= 1 for p in programs)
+    assert report["shape"]["kv_bytes_per_token"] == 2 * 2 * 128 * 2 * 4 / 4 / 2
+    # q, k, v, o, gate, up, down of 2 layers in bf16: each chip a quarter of one layer's
+    layer = 512 * 1024 + 2 * 512 * 512 + 1024 * 512 + 3 * 512 * 1024
+    assert report["weights"]["dense"]["elements"] == layer // 4, report["weights"]
+
+
 @pytest.mark.parametrize("tp,kv", [(1, "auto"), (4, "auto"), (1, "fp8")])
 def test_engine_memory_accounting_matches_xla(tmp_path, shape_dir, tp, kv):
     """The KV pool the engine sizes for --gpu-memory-utilization fills the chip's share to within

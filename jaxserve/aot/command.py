@@ -66,7 +66,7 @@ def _print_program(p: Program) -> None:
 
 
 def _print_summary(report: Report, projected: dict | None, workload: Workload, elapsed: float) -> None:
-    head = f"{report.model} on {report.target}, tp={report.tensor_parallel_size}"
+    head = f"{report.model} on {report.target}, {report.layout}"
     if report.refused:
         print(f"{head}: refused: {report.refused}")
         return

@@ -64,6 +64,7 @@ class Report:
     model: str
     target: str
     tensor_parallel_size: int
+    pipeline_parallel_size: int = 1
     dtype: str = ""
     quantization: str | None = None
     kv_cache_dtype: str = ""
@@ -86,12 +87,17 @@ class Report:
     refused: str | None = None  # the engine refused the configuration (one line)
 
     @property
+    def layout(self) -> str:
+        pp = self.pipeline_parallel_size
+        return f"tp={self.tensor_parallel_size}" + (f" pp={pp}" if pp > 1 else "")
+
+    @property
     def peak_bytes(self) -> int:
         return max((p.peak_bytes for p in self.programs if p.error is None), default=0)
 
     def failures(self) -> list[str]:
         """One line per problem; none when every program compiled and fits."""
-        where = f"{self.model} on {self.target} tp={self.tensor_parallel_size}"
+        where = f"{self.model} on {self.target} {self.layout}"
         if self.refused:
             return [f"{where}: {self.refused}"]
         lines = []
@@ -204,7 +210,12 @@ def check(
     """Compile the server's step programs for `target` and measure them (no weight is read)."""
     devices = target.devices()
     engine_args = dataclasses.replace(engine_args, load_format="dummy")
-    report = Report(str(engine_args.model or "default model"), target.name, engine_args.tensor_parallel_size)
+    report = Report(
+        str(engine_args.model or "default model"),
+        target.name,
+        engine_args.tensor_parallel_size,
+        engine_args.pipeline_parallel_size,
+    )
     try:
         with targeting(devices):
             config = engine_args.create_engine_config()
@@ -212,7 +223,7 @@ def check(
         report.refused = str(err).splitlines()[0]
         return report
     pc, mc, cc = config.parallel_config, config.model_config, config.cache_config
-    mesh = make_mesh(pc.tensor_parallel_size, pc.data_parallel_size, devices=devices)
+    mesh = make_mesh(pc.tensor_parallel_size, pc.data_parallel_size, devices, pc.pipeline_parallel_size)
     try:
         graphdef, state = abstract_model(mc, mesh, pc, config.lora_config)
     except ValueError as err:  # weights that do not split over this tensor parallel size
@@ -246,7 +257,10 @@ def check(
         "num_heads": args.num_heads,
         "num_kv_heads": spec.num_kv_heads,
         "head_dim": args.head_dim,
-        "kv_bytes_per_token": spec.bytes_per_block / spec.page_size / mesh.shape["model"],
+        "kv_bytes_per_token": spec.bytes_per_block
+        / spec.page_size
+        / mesh.shape["model"]
+        / mesh.shape["stage"],
         "num_experts": args.moe.num_experts if getattr(args, "moe", None) else 0,
         "top_k": args.moe.top_k if getattr(args, "moe", None) else 0,
     }

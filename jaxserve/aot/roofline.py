@@ -15,7 +15,8 @@ before their matmuls). The counts are per device, from the model's own sharded w
 XLA's own cost analysis is kept in the reports but not used here: it does not see inside the
 Pallas kernel and counts the layer loop's body once. The result is a best case: no host time,
 no kernel below its roofline, no overlap of prefill with decode; real throughput is lower. It is
-an estimate, and every table made from it says so.
+an estimate, and every table made from it says so. Under pipeline parallelism a device computes its
+stage's layers, and a step's stages run one after another (one batch in the pipeline).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def step_cost(
     matmul += tokens * lora["elements"] / max(1, report.max_loras)
     flops = 2.0 * (matmul + rows * w["head"]["elements"])
     heads = s["num_heads"] / report.tensor_parallel_size
-    flops += 4.0 * queries * context * heads * s["head_dim"] * s["num_layers"]
+    layers = s["num_layers"] / report.pipeline_parallel_size  # a device's stage of them
+    flops += 4.0 * queries * context * heads * s["head_dim"] * layers
     return flops, nbytes
 
 
@@ -75,11 +77,13 @@ def project(report: Report, chip: Chip, workload: Workload) -> dict | None:
     chunk = report.buckets[-1][0]
     context = workload.input_len + workload.output_len / 2  # the average over the decode steps
     decode_flops, decode_bytes = step_cost(report, decode_bucket, batch, batch, context)
-    decode_s = seconds(decode_flops, decode_bytes, chip)
+    # one batch in the pipeline at a time: its stages run one after another (the head counted in each)
+    stages = report.pipeline_parallel_size
+    decode_s = stages * seconds(decode_flops, decode_bytes, chip)
     # a chunk of prompt tokens attends, on average, to half a prompt; it spans chunk/input_len prompts
     spanned = max(1.0, chunk / workload.input_len)
     chunk_flops, chunk_bytes = step_cost(report, report.buckets[-1], spanned, chunk, workload.input_len / 2)
-    chunk_s = seconds(chunk_flops, chunk_bytes, chip)
+    chunk_s = stages * seconds(chunk_flops, chunk_bytes, chip)
     prefill_s = -(-batch * workload.input_len // chunk) * chunk_s
     wave_s = prefill_s + workload.output_len * decode_s
     return {

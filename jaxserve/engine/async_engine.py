@@ -87,15 +87,17 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args, stats_callbacks: tuple[StatsCallback, ...] = ()) -> AsyncLLMEngine:
-        """One engine per data-parallel rank, each on its own tensor_parallel_size devices."""
+        """One engine per data-parallel rank, each on its own tensor_parallel_size x
+        pipeline_parallel_size devices."""
         import jax
 
-        config = engine_args.create_engine_config()  # checks that tp x dp devices are there
-        tp, dp = config.parallel_config.tensor_parallel_size, config.parallel_config.data_parallel_size
+        config = engine_args.create_engine_config()  # checks that tp x pp x dp devices are there
+        pc = config.parallel_config
+        size, dp = pc.tensor_parallel_size * pc.pipeline_parallel_size, pc.data_parallel_size
         devices = jax.devices()
         engines = []
         for rank in range(dp):
-            group = devices[rank * tp : (rank + 1) * tp]
+            group = devices[rank * size : (rank + 1) * size]
             if dp > 1:
                 logger.info("Data-parallel rank %d of %d on devices %s", rank, dp, [d.id for d in group])
             # the first engine loads the tokenizer (beside its weights); the others share it

@@ -72,9 +72,9 @@ def build_runner(config: EngineConfig, devices=None, step_cache=None):
     tensor_parallel_size), keeping its compiled steps in `step_cache` (a runner.StepCache to
     share with other runners of the same model and shapes; None: its own)."""
     from jaxserve.runner.model_runner import ModelRunner
-    from jaxserve.sharding import make_mesh
+    from jaxserve.sharding import mesh_for
 
-    mesh = make_mesh(config.parallel_config.tensor_parallel_size, devices=devices)
+    mesh = mesh_for(config.parallel_config, devices=devices)
     return ModelRunner(config, mesh, step_cache=step_cache)
 
 

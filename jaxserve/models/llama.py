@@ -45,6 +45,7 @@ from jaxserve.layers.linear import (
 )
 from jaxserve.layers.moe import MoEArgs, moe_mlp
 from jaxserve.layers.norm import rms_norm
+from jaxserve.layers.pipeline import run_layers
 from jaxserve.layers.rotary import apply_rope, rope_attention_scaling, rope_inv_freq
 from jaxserve.models.causal_lm import CausalLM, InputEmbeds
 
@@ -254,9 +255,10 @@ class LlamaForCausalLM(CausalLM):
         def norm(x, weight):
             return rms_norm(x, weight, a.rms_norm_eps, a.norm_offset)
 
-        # Per-layer inputs of the scan besides the weights: the layer index (a kernel reads its
-        # stacks by it), and the window and rope frequencies where layers differ in them.
-        xs = {"index": jnp.arange(a.num_layers, dtype=jnp.int32)}
+        # Per-layer inputs besides the weights: the window and rope frequencies where layers differ
+        # in them (run_layers adds each layer's index: a kernel reads its stacks by it).
+        sliced, whole = LayerWeights.split(self.layers.stacked())
+        xs = {"weights": sliced}
         shared_window, windows = _windows(a.layer_windows)
         if windows is not None:
             xs["window"] = jnp.asarray(windows)
@@ -265,13 +267,11 @@ class LlamaForCausalLM(CausalLM):
             freqs = [a.local_inv_freq if w else a.inv_freq for w in a.layer_windows]
             xs["inv_freq"] = jnp.asarray(np.asarray(freqs, np.float32))
 
-        sliced, whole = LayerWeights.split(self.layers.stacked())
-
-        def layer(carry, xs):
+        def layer(carry, per_layer, whole, meta, shared):
             x, kv_pool = carry
-            layer_weights, per_layer = xs
-            w = LayerWeights(layer_weights, whole, per_layer["index"])
-            layer_freq = per_layer.get("inv_freq", inv_freq)
+            positions, lora = shared["positions"], shared["lora"]
+            w = LayerWeights(per_layer["weights"], whole, per_layer["index"])
+            layer_freq = per_layer.get("inv_freq", shared["inv_freq"])
             h = norm(x, w["input_norm"])
             q, k, v = linears(h, w, ("q", "k", "v"), lora)
             q = q.reshape(num_tokens, a.num_heads, a.head_dim)
@@ -307,8 +307,8 @@ class LlamaForCausalLM(CausalLM):
             x = x + (norm(out, w["mlp_out_norm"]) if a.sandwich_norms else out)
             return (x, kv_pool), None
 
-        (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), (sliced, xs))
-        return x, kv_pool
+        shared = {"positions": positions, "lora": lora, "inv_freq": inv_freq}
+        return run_layers(layer, x, kv_pool, xs, whole, meta, shared)
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
         a = self.args

@@ -25,6 +25,7 @@ from jaxserve.config import LoRAConfig
 from jaxserve.layers.activation import ACTIVATIONS
 from jaxserve.layers.attention import AttentionMetadata, sequence_attention
 from jaxserve.layers.linear import on_device
+from jaxserve.layers.pipeline import run_layers
 from jaxserve.layers.rotary import apply_rope, rope_inv_freq
 from jaxserve.models.causal_lm import CausalLM
 from jaxserve.models.llama import _param
@@ -136,8 +137,10 @@ class ModernBertModel(CausalLM):
         act = ACTIVATIONS[a.activation]
         inv_freq = jnp.asarray([a.local_inv_freq, a.global_inv_freq], jnp.float32)
 
-        def layer(x, xs):
-            w, index = on_device(xs[0]), xs[1]
+        def layer(carry, per_layer, whole, meta, shared):
+            x, _ = carry
+            positions, inv_freq = shared
+            w, index = on_device(per_layer["weights"]), per_layer["number"]  # (the model's, not the stage's)
             is_global = (index % a.global_every == 0).astype(jnp.int32)
             h = jnp.where(index == 0, x, self._norm(x, w["attn_norm"], w.get("attn_norm_bias")))
             q, k, v = jnp.split((h @ w["qkv_proj"]).reshape(n, 3 * a.num_heads, a.head_dim), 3, axis=1)
@@ -148,10 +151,10 @@ class ModernBertModel(CausalLM):
             value, gate = jnp.split(
                 self._norm(x, w["mlp_norm"], w.get("mlp_norm_bias")) @ w["wi_proj"], 2, axis=-1
             )
-            return x + (act(value) * gate) @ w["wo_proj"], None
+            return (x + (act(value) * gate) @ w["wo_proj"], None), None
 
-        x, _ = jax.lax.scan(layer, x, (self.layers.stacked(), jnp.arange(a.num_layers, dtype=jnp.int32)))
-        return x, kv_pool
+        xs = {"weights": self.layers.stacked(), "number": jnp.arange(a.num_layers, dtype=jnp.int32)}
+        return run_layers(layer, x, None, xs, meta=meta, shared=(positions, inv_freq))[0], kv_pool
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
         bias = getattr(self, "final_norm_bias", None)

@@ -26,6 +26,7 @@ from jaxserve.config import LoRAConfig
 from jaxserve.layers.activation import ACTIVATIONS
 from jaxserve.layers.attention import AttentionMetadata, paged_attention, sequence_attention
 from jaxserve.layers.linear import kernel_params, linear, linears, lora_mask, lora_params, on_device
+from jaxserve.layers.pipeline import run_layers
 from jaxserve.models.causal_lm import CausalLM, InputEmbeds
 from jaxserve.models.llama import _param
 
@@ -212,9 +213,9 @@ class OPTForCausalLM(CausalLM):
         def norm(x, w, name):
             return layer_norm(x, w.get(name), w.get(f"{name}_bias"), a.layer_norm_eps)
 
-        def layer(carry, xs):
+        def layer(carry, per_layer, whole, meta, lora):
             x, kv_pool = carry
-            w, index = on_device(xs[0]), xs[1]
+            w, index = on_device(per_layer["weights"]), per_layer["index"]
             h = norm(x, w, "attn_norm") if a.pre_norm else x
             q, k, v = linears(h, w, ("q", "k", "v"), lora)
             q = q.reshape(num_tokens, a.num_heads, a.head_dim)
@@ -235,9 +236,7 @@ class OPTForCausalLM(CausalLM):
                 x = norm(x, w, "mlp_norm")
             return (x, kv_pool), None
 
-        xs = (self.layers.stacked(), jnp.arange(a.num_layers, dtype=jnp.int32))
-        (x, kv_pool), _ = jax.lax.scan(layer, (x, kv_pool), xs)
-        return x, kv_pool
+        return run_layers(layer, x, kv_pool, {"weights": self.layers.stacked()}, meta=meta, shared=lora)
 
     def _token_types(self, input_ids: jax.Array, cu: jax.Array) -> jax.Array:
         """[num_tokens] int32: 0, or 1 for a token after its sequence's first separator (with two

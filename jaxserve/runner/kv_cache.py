@@ -50,8 +50,9 @@ def num_blocks_for(
     """How many blocks fit: exactly --num-gpu-blocks-override when given; else
     --kv-cache-memory-bytes per device, or what --gpu-memory-utilization leaves on the fullest
     device once the weights are there (each device holds 1/tp of every block: the pool is split
-    by KV head), on CPU a fixed host budget (CPU_KV_CACHE_BYTES); capped at what max_num_seqs
-    sequences of max_model_len could ever use. `memory_stats`: the devices' memory_stats() when
+    by KV head; under pipeline parallelism, of its stage's layers only), on CPU a fixed host
+    budget (CPU_KV_CACHE_BYTES); capped at what max_num_seqs sequences of max_model_len could
+    ever use. `memory_stats`: the devices' memory_stats() when
     they cannot be asked (devices of a TPU topology this process only compiles for). `shared`: a
     second pool with as many blocks (a draft model's) and weights still to load, as (its bytes per
     block, its weights' bytes on the fullest device): both come out of the same budget."""
@@ -60,7 +61,8 @@ def num_blocks_for(
     devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]  # this host's
     stats = memory_stats or [d.memory_stats() if d.platform != "cpu" else None for d in devices]
     shared_per_block, shared_weights = shared
-    per_block = (spec.bytes_per_block + shared_per_block) / mesh.shape["model"]
+    # each device holds 1/tp of every block, of its stage's layers only
+    per_block = (spec.bytes_per_block + shared_per_block) / (mesh.shape["model"] * mesh.shape.get("stage", 1))
     if cache.kv_cache_memory_bytes is not None:
         free = cache.kv_cache_memory_bytes
         where = f"--kv-cache-memory-bytes={free}"

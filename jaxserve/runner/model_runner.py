@@ -45,7 +45,7 @@ from jaxserve.runner.step_cache import StepCache
 from jaxserve.runner.step_programs import StepLayout, StepPrograms, abstract
 from jaxserve.runner.swap import SwapBuffers
 from jaxserve.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
-from jaxserve.sharding import make_mesh
+from jaxserve.sharding import mesh_for
 from pallas_kernels import native
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class ModelRunner:
         self.pooling = pooler is not None  # every step is of the pool kind
         self._pool = StepVariant.for_pooling(pooler.pooling_type) if self.pooling else None
         self.step_cache = step_cache if step_cache is not None else StepCache()
-        self.mesh = mesh or make_mesh(config.parallel_config.tensor_parallel_size)
+        self.mesh = mesh or mesh_for(config.parallel_config)
         # The native CPU kernels (pallas_kernels/native.py), registered before any step is traced
         # or loaded from the executable store; a step traced without them runs the references.
         self.native_kernels = self.mesh.devices.flat[0].platform == "cpu" and native.load()

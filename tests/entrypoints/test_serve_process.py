@@ -221,11 +221,11 @@ def tp_llama(tmp_path_factory):
     return path
 
 
-def _multihost(model, tmp_path, processes=(0, 1), num_processes=2, timeout="60"):
+def _multihost(model, tmp_path, processes=(0, 1), num_processes=2, timeout="60", parallel=("-tp", "8")):
     port = str(_free_port_pair())
     started = {}
     for rank in processes:
-        flags = ("-tp", "8", "--distributed-executor-backend", "jax", "--data-parallel-address", "127.0.0.1",
+        flags = (*parallel, "--distributed-executor-backend", "jax", "--data-parallel-address", "127.0.0.1",
                  "--data-parallel-rpc-port", port, "--num-processes", str(num_processes),
                  "--process-id", str(rank), "--distributed-timeout", timeout, "--enable-sleep-mode",
                  "--compilation-config", '{"cache_dir": ""}')  # fmt: skip
@@ -252,6 +252,20 @@ async def test_two_processes_serve_one_model_like_one_process(tp_llama, tmp_path
         assert time.monotonic() - start < 30
         log0.seek(0)
         assert "jaxserve: error: process 1 stopped" in log0.read()
+    finally:
+        for proc, _, log in started.values():
+            _stop(proc, log)
+
+
+async def test_two_processes_serve_pipeline_stages_like_one_process(tp_llama, tmp_path):
+    """-pp 2 -tp 4 over two processes of 4 devices: each process holds one stage's layers."""
+    prompts = [[5 + i, 17, 300, 42 + i, 9] * (1 + i % 3) for i in range(4)]
+    single = _offline_texts(tp_llama, prompts)
+    started = _multihost(tp_llama, tmp_path, parallel=("-tp", "4", "-pp", "2"))
+    try:
+        (p0, url, log0) = started[0]
+        await _wait_healthy(p0, url, log0)
+        assert await _served_texts(url, prompts) == single
     finally:
         for proc, _, log in started.values():
             _stop(proc, log)

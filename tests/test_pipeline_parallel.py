@@ -1,0 +1,182 @@
+"""Pipeline parallelism on 8 fake CPU devices: a 4-layer GQA Llama gives transformers' greedy
+tokens at (pp, tp) = (1, 1), (4, 2) and (4, 1), the same seeded samples and structured
+outputs, and every device holds only its stage's layers (a quarter of each stack and of
+the KV pool's pages at pp = 4) split by its tensor-parallel group; the same tokens at pp = 1 and
+pp > 1 with int8 weights and an int8 KV cache (each stage reads its own layers' KV scales), with
+two LoRA adapters, for a GGUF of 4-bit projections (the native kernel's stacks, read by layer
+index), for OPT, and for a BERT embedding model. A layer count the stages do not divide, and
+more stages than devices, are one-line errors.
+
+The device count is fixed when JAX starts, so the engines run in one fresh subprocess."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import gguf
+import numpy as np
+import pytest
+from loader.tiny_checkpoints import write_tiny_gguf
+from reference_checks import assert_vectors_close, check_greedy
+from tiny_models import (
+    TP_LLAMA,
+    make_checkpoint,
+    make_encoder_checkpoint,
+    make_lora_adapter,
+    run_on_fake_devices,
+)
+
+from jaxserve.args import EngineArgs
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    from tiny_models import engine_kwargs
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.lora.request import LoRARequest
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    paths, prompts = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+    ids = [{"prompt_token_ids": p} for p in prompts]
+    small = [{"prompt_token_ids": [t % 200 for t in p]} for p in prompts]  # (the GGUF's, BERT's vocabularies)
+    GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    GUIDED = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=StructuredOutputsParams(
+        json=SCHEMA, disable_any_whitespace=True))
+
+    def shards(x):
+        return sorted({tuple(s.data.shape) for s in x.addressable_shards})
+
+    def tokens(outs):
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    report = {}
+    for pp, tp in ((1, 1), (4, 2), (4, 1)):
+        llm = LLM(paths["llama"], **engine_kwargs(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+        runner = llm.llm_engine.runner
+        stack = dict(runner.state.flat_state())[("layers", "q_proj")].value
+        report[f"llama {pp}x{tp}"] = {
+            "pool": shards(runner.kv_pool), "pool_shape": list(runner.kv_pool.shape),
+            "q_proj": shards(stack), "q_proj_shape": list(stack.shape),
+            "greedy": tokens(llm.generate(ids, GREEDY, use_tqdm=False)),
+            "seeded": tokens(llm.generate(ids, SEEDED, use_tqdm=False)),
+        }
+        if tp == 2 or pp == 1:
+            report[f"llama {pp}x{tp}"]["guided"] = [o.outputs[0].text for o in llm.generate(ids, GUIDED, use_tqdm=False)]
+        del llm, runner
+    for pp, tp in ((1, 1), (4, 2)):
+        llm = LLM(paths["llama"], quantization="int8", kv_cache_dtype="int8", calculate_kv_scales=True,
+                  **engine_kwargs(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+        report[f"int8 {pp}x{tp}"] = tokens(llm.generate(ids, GREEDY, use_tqdm=False))
+        del llm
+    loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths["adapters"])] + [None]
+    loras = (loras * len(prompts))[: len(prompts)]
+    for pp, tp in ((1, 1), (2, 2)):
+        llm = LLM(paths["llama"], enable_lora=True, max_loras=2, max_lora_rank=8,
+                  **engine_kwargs(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+        report[f"lora {pp}x{tp}"] = tokens(llm.generate(ids, GREEDY, use_tqdm=False, lora_request=loras))
+        del llm
+    for pp in (1, 2):
+        llm = LLM(paths["gguf"], **engine_kwargs(pipeline_parallel_size=pp))
+        report[f"gguf {pp}"] = tokens(llm.generate(small, GREEDY, use_tqdm=False))
+        del llm
+    for pp, tp in ((1, 1), (2, 2)):
+        llm = LLM(paths["opt"], **engine_kwargs(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+        report[f"opt {pp}x{tp}"] = tokens(llm.generate(ids, GREEDY, use_tqdm=False))
+        del llm
+    for pp in (1, 2):
+        llm = LLM(paths["bert"], **engine_kwargs(pipeline_parallel_size=pp, max_num_batched_tokens=128,
+                                                    max_model_len=96))
+        report[f"bert {pp}"] = [o.outputs.embedding for o in llm.embed(small, use_tqdm=False)]
+        del llm
+    for bad in ({"pipeline_parallel_size": 3}, {"pipeline_parallel_size": 4, "tensor_parallel_size": 4}):
+        try:
+            LLM(paths["llama"], **engine_kwargs(**bad))
+        except ValueError as e:
+            report.setdefault("errors", []).append(str(e))
+    print(json.dumps(report))
+    """
+)
+
+PROMPTS = [[5, 17, 300, 42, 9], list(range(20, 51)), [7], [9, 10, 11, 12] * 3]
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pp")
+    paths = {"llama": str(root / "llama"), "opt": str(root / "opt"), "bert": str(root / "bert")}
+    llama = make_checkpoint(
+        paths["llama"],
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {**TP_LLAMA, "num_hidden_layers": LAYERS},
+        "float32",
+        0,
+    )
+    paths["adapters"] = []
+    for i, rank in enumerate((8, 4)):
+        adapter = str(root / f"adapter{i}")
+        make_lora_adapter(llama, adapter, rank, 2 * rank, ["q_proj", "v_proj", "down_proj"], 30 + i)
+        paths["adapters"].append(adapter)
+    make_checkpoint(
+        paths["opt"],
+        "OPTConfig",
+        "OPTForCausalLM",
+        {"ffn_dim": 128, "num_hidden_layers": LAYERS},
+        "float32",
+        1,
+    )
+    make_encoder_checkpoint(paths["bert"], "bert")
+    Q = gguf.GGMLQuantizationType
+    paths["gguf"] = write_tiny_gguf(
+        str(root / "q4.gguf"), tied=True, proj_type=Q.Q4_1, ffn_down_type=Q.Q4_K
+    ).path
+    out = run_on_fake_devices(SCRIPT, json.dumps(paths), json.dumps(PROMPTS))
+    return llama, json.loads(out.strip().splitlines()[-1])
+
+
+def test_every_stage_count_gives_transformers_greedy_tokens(runs):
+    model, report = runs
+    base = report["llama 1x1"]
+    for prompt, generated in zip(PROMPTS, base["greedy"]):
+        compared, _ = check_greedy(model, prompt, generated)
+        assert compared >= 6
+    for key in ("llama 4x2", "llama 4x1"):
+        for field in ("greedy", "seeded", "guided"):
+            assert report[key].get(field, base[field]) == base[field], (key, field)
+    assert "guided" in report["llama 4x2"]
+
+
+def test_each_device_holds_its_stage_of_layers_and_pages(runs):
+    _, report = runs
+    pages, heads, slots, dim = report["llama 1x1"]["pool_shape"]
+    layers, embed, q = report["llama 1x1"]["q_proj_shape"]
+    assert layers == LAYERS
+    for key, pp, tp in (("llama 4x2", 4, 2), ("llama 4x1", 4, 1)):
+        assert report[key]["pool"] == [[pages // pp, heads // tp, slots, dim]], key
+        assert report[key]["q_proj"] == [[layers // pp, embed, q // tp]], key
+
+
+def test_quantized_lora_gguf_opt_and_pooling_models_split_into_stages(runs):
+    _, report = runs
+    assert report["int8 4x2"] == report["int8 1x1"]
+    assert report["lora 2x2"] == report["lora 1x1"]
+    assert report["lora 1x1"] != report["llama 1x1"]["greedy"]  # the adapters change the tokens
+    assert report["gguf 2"] == report["gguf 1"]
+    assert report["opt 2x2"] == report["opt 1x1"]
+    for a, b in zip(report["bert 2"], report["bert 1"]):
+        assert_vectors_close(np.asarray(a), np.asarray(b))
+
+
+def test_stages_that_cannot_be_built_are_named(runs, tmp_path):
+    _, report = runs
+    assert report["errors"] == [
+        "pipeline_parallel_size=3 does not divide the model's 4 layers into equal stages; choose a divisor of 4.",
+        "tensor_parallel_size=4 x pipeline_parallel_size=4 x data_parallel_size=1 needs that many devices; 8 visible.",
+    ]
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be a positive integer, got 0"):
+        EngineArgs(model="unused", pipeline_parallel_size=0).create_engine_config()
