@@ -124,8 +124,13 @@ def loaded() -> bool:
 
 def usable_in_trace() -> bool:
     """Whether the step being traced can call the kernels: on a CPU, with them loaded, for one device
-    (a step sharded over several would have XLA gather every operand of the call to each device)."""
+    (a step sharded over several would have XLA gather every operand of the call to each device),
+    or for each device on its own: in a shard_map manual over every axis of size > 1 (a pipeline
+    stage's layers without tensor parallelism)."""
     if traced_platform() != "cpu" or not loaded():
         return False
     mesh = jax.sharding.get_abstract_mesh()
-    return mesh.empty or mesh.size == 1
+    if mesh.empty:
+        return True
+    manual = set(mesh.manual_axes)
+    return all(size == 1 or name in manual for name, size in mesh.shape.items())

@@ -1,0 +1,35 @@
+"""benchmarks/pipeline_parallel.py on a tiny 4-layer model: every configuration gives the base's
+tokens and a positive ratio to it (the script sets its own fake devices: a fresh process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from benchmark_scripts import BENCHMARKS
+from tiny_models import TEST_XLA_FLAGS, TP_LLAMA, make_checkpoint
+
+
+def test_stages_and_tensor_parallel_give_the_base_tokens(tmp_path):
+    model = str(tmp_path / "llama")
+    make_checkpoint(
+        model, "LlamaConfig", "LlamaForCausalLM", {**TP_LLAMA, "num_hidden_layers": 4}, "float32", 0
+    )
+    out = tmp_path / "pp.json"
+    argv = ["--model", model, "--configs", "1x1", "2x1", "2x2", "--batch", "2", "--prompt-len", "16"]
+    argv += ["--max-tokens", "6", "--rounds", "1", "--output-json", str(out)]
+    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, os.path.join(BENCHMARKS, "pipeline_parallel.py"), *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert list(rows) == ["1x1", "2x1", "2x2"]
+    for row in rows.values():
+        assert row["same_tokens_as_1x1"] and row["prefill_ratio"] > 0 and row["decode_ratio"] > 0
