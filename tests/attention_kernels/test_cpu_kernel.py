@@ -66,6 +66,17 @@ def test_sliding_window_and_soft_cap(window, cap):
     )
 
 
+@pytest.mark.parametrize("window, cap", [(None, None), (7, None), (30, 2.0)])
+def test_sequences_of_many_rows(window, cap):
+    """A chunk of 21 rows at context, a verify step's 4 rows, and a prompt of 9 from position 0:
+    each row sees only its own causal (and windowed) keys."""
+    rng = np.random.default_rng(11)
+    case = _case(rng, [(37, 21), (50, 4), (0, 9), (12, 1)])
+    np.testing.assert_allclose(
+        _run(case, sliding_window=window, soft_cap=cap), case.expected(window, cap), **F32_TOL
+    )
+
+
 def test_traced_window_as_a_model_scanning_layers_passes_it():
     rng = np.random.default_rng(2)
     case = _case(rng, [(60, 1), (33, 1)])
