@@ -1,5 +1,6 @@
 // Ragged paged attention for steps of few query rows (decodes), on a CPU: the reference's
-// semantics (reference.py, ragged_paged_attention, float32 pages), one pass over each sequence's
+// semantics (reference.py, ragged_paged_attention; float32, int8 or fp8 pages, a quantized pool's
+// scales folded into q and the output by the caller), one pass over each sequence's
 // keys per query row and KV head, with the query heads that share the KV head read together.
 //
 // XLA:CPU runs the reference's loop over key chunks as a nest of while loops, each iteration a
@@ -36,6 +37,54 @@ inline float ExpNonPositive(float x) {
   return x < -87.0f ? 0.0f : scaled;
 }
 
+// fp8 bytes -> float, by table: e4m3fn (bias 7, no infinities, S.1111.111 NaN) and e5m2 (bias
+// 15, IEEE-like). Subnormals included.
+struct Fp8Table {
+  float value[256];
+  Fp8Table(int exp_bits, int bias, bool ieee) {
+    const int man_bits = 7 - exp_bits, exp_max = (1 << exp_bits) - 1;
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> man_bits) & exp_max, m = b & ((1 << man_bits) - 1);
+      const float frac = static_cast<float>(m) / static_cast<float>(1 << man_bits);
+      float v;
+      if (e == exp_max && (ieee || m == (1 << man_bits) - 1))
+        v = ieee && m == 0 ? std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN();
+      else if (e == 0)
+        v = std::ldexp(frac, 1 - bias);
+      else
+        v = std::ldexp(1.0f + frac, e - bias);
+      value[b] = (b & 0x80) ? -v : v;
+    }
+  }
+};
+const Fp8Table kE4M3FN(4, 7, false), kE5M2(5, 15, true);
+
+// A key or value row of the pool as float32: float pages are read in place; int8 and fp8 pages
+// (their stored values; the scales are applied outside the kernel) are cast into `buf`.
+struct Pages {
+  const void* data;
+  ffi::DataType type;
+  const float* Row(size_t offset, int d, float* buf) const {
+    switch (type) {
+      case ffi::DataType::S8: {
+        const int8_t* r = static_cast<const int8_t*>(data) + offset;
+#pragma omp simd
+        for (int e = 0; e < d; ++e) buf[e] = static_cast<float>(r[e]);
+        return buf;
+      }
+      case ffi::DataType::F8E4M3FN:
+      case ffi::DataType::F8E5M2: {
+        const uint8_t* r = static_cast<const uint8_t*>(data) + offset;
+        const float* table = type == ffi::DataType::F8E4M3FN ? kE4M3FN.value : kE5M2.value;
+        for (int e = 0; e < d; ++e) buf[e] = table[r[e]];
+        return buf;
+      }
+      default:
+        return static_cast<const float*>(data) + offset;
+    }
+  }
+};
+
 struct Shapes {
   int rows, q_heads, head_dim, num_pages, kv_heads, page_size, max_seqs, pages_per_seq;
 };
@@ -43,21 +92,21 @@ struct Shapes {
 // Calls fn(j, key or value row) for the positions lo + j < hi of a sequence, page by page (no
 // division per key). `which`: 0 keys, 1 values.
 template <typename F>
-inline void ForEachRow(const Shapes& s, const float* pages, const int32_t* table, int h, int which, int lo,
+inline void ForEachRow(const Shapes& s, const Pages& pages, const int32_t* table, int h, int which, int lo,
                        int hi, const F& fn) {
   const size_t tile = static_cast<size_t>(s.page_size) * s.head_dim;  // one (page, head, k|v) tile
+  float buf[512];  // a cast row (head_dim <= 512, checked by the handler)
   for (int pos = lo; pos < hi;) {
     const int index = pos / s.page_size, end = std::min(hi, (index + 1) * s.page_size);
     const int id = table[index];
     const size_t page = static_cast<size_t>(id < 0 || id >= s.num_pages ? 0 : id);  // padding: page 0
-    const float* row = pages + (page * 2 * s.kv_heads + 2 * h + which) * tile +
-                       static_cast<size_t>(pos % s.page_size) * s.head_dim;
-    for (; pos < end; ++pos, row += s.head_dim) fn(pos - lo, row);
+    size_t row = (page * 2 * s.kv_heads + 2 * h + which) * tile + static_cast<size_t>(pos % s.page_size) * s.head_dim;
+    for (; pos < end; ++pos, row += s.head_dim) fn(pos - lo, pages.Row(row, s.head_dim, buf));
   }
 }
 
 // One query row (its `group` query heads sharing KV head h) against keys [lo, hi) of its sequence.
-void AttendRow(const Shapes& s, const float* q, const float* pages, const int32_t* table, int h,
+void AttendRow(const Shapes& s, const float* q, const Pages& pages, const int32_t* table, int h,
                int lo, int hi, float sm_scale, float soft_cap, float* out) {
   const int d = s.head_dim, group = s.q_heads / s.kv_heads, n = hi - lo;
   thread_local std::vector<float> scores;
@@ -96,7 +145,7 @@ void AttendRow(const Shapes& s, const float* q, const float* pages, const int32_
   });
 }
 
-ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv_pages,
+ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
                                 ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
                                 ffi::Buffer<ffi::S32> window, float sm_scale, float soft_cap,
@@ -110,14 +159,18 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   const Shapes s{static_cast<int>(qd[0]), static_cast<int>(qd[1]), static_cast<int>(qd[2]),
                  static_cast<int>(kd[0]), static_cast<int>(kd[1] / 2), static_cast<int>(kd[2]),
                  static_cast<int>(pd[0]), static_cast<int>(pd[1])};
-  if (kd[3] != s.head_dim || s.q_heads % s.kv_heads)
+  if (kd[3] != s.head_dim || s.q_heads % s.kv_heads || s.head_dim > 512)
     return ffi::Error::InvalidArgument("ragged_paged_attention: head shapes disagree");
+  const ffi::DataType type = kv_pages.element_type();
+  if (type != ffi::DataType::F32 && type != ffi::DataType::S8 && type != ffi::DataType::F8E4M3FN &&
+      type != ffi::DataType::F8E5M2)
+    return ffi::Error::InvalidArgument("ragged_paged_attention: pages must be float32, int8 or fp8");
   const int32_t* lens = kv_lens.typed_data();
   const int32_t* cu = cu_q_lens.typed_data();
   const int seqs = std::min(num_seqs.typed_data()[0], s.max_seqs);
   const int win = window.typed_data()[0];
   const float* qp = q.typed_data();
-  const float* pages = kv_pages.typed_data();
+  const Pages pages{kv_pages.untyped_data(), type};
   const int32_t* tables = page_indices.typed_data();
   float* op = out->typed_data();
   const size_t row_size = static_cast<size_t>(s.q_heads) * s.head_dim;
@@ -153,7 +206,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, jaxserve::RaggedPage
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // q
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // kv_pages
+                                  .Arg<xla::ffi::AnyBuffer>()               // kv_pages
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // kv_lens
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // page_indices
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // cu_q_lens

@@ -1,5 +1,7 @@
-"""Ragged paged attention on a CPU: the native kernel (cpu.cc) for steps of few query rows, the
-pure-jnp reference for the rest. The same signature and values as reference.py."""
+"""Ragged paged attention on a CPU: the native kernel (cpu.cc) for steps of few query rows (over
+float32 pages, or int8 / fp8 pages with their scales folded into q and the output as the
+reference does), the pure-jnp reference for the rest. The same signature and values as
+reference.py."""
 
 from __future__ import annotations
 
@@ -18,11 +20,15 @@ from pallas_kernels.ragged_paged_attention import reference
 CPU_KERNEL_MAX_ROWS = 64
 
 
-def kernel_applies(q: jax.Array, kv_pages: jax.Array, k_scale, v_scale) -> bool:
-    """float32 rows and pages (a quantized pool runs the reference), few rows, one CPU device."""
-    if q.shape[0] > CPU_KERNEL_MAX_ROWS or q.dtype != jnp.float32 or kv_pages.dtype != jnp.float32:
+# Pages the kernel reads: float32 as they are, int8 and fp8 (a quantized pool) cast row by row.
+PAGE_DTYPES = (jnp.float32, jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def kernel_applies(q: jax.Array, kv_pages: jax.Array) -> bool:
+    """float32 rows, float32 or quantized pages, few rows, one CPU device."""
+    if q.shape[0] > CPU_KERNEL_MAX_ROWS or q.dtype != jnp.float32:
         return False
-    if k_scale is not None or v_scale is not None:
+    if not any(kv_pages.dtype == d for d in PAGE_DTYPES):
         return False
     return native.usable_in_trace()
 
@@ -41,7 +47,7 @@ def ragged_paged_attention(
     k_scale: float | jax.Array | None = None,
     v_scale: float | jax.Array | None = None,
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim]
-    if not kernel_applies(q, kv_pages, k_scale, v_scale):
+    if not kernel_applies(q, kv_pages):
         return reference.ragged_paged_attention(
             q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
             sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
@@ -49,7 +55,9 @@ def ragged_paged_attention(
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     call = jax.ffi.ffi_call("jaxserve_ragged_paged_attention", out, vmap_method="sequential")
-    return call(
+    q, out_scale = reference.fold_scales(q, k_scale, v_scale)  # the kernel reads the stored values
+    out = call(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, window,
         sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
     )  # fmt: skip
+    return out if v_scale is None else out * out_scale

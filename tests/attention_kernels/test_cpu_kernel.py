@@ -89,17 +89,31 @@ def test_traced_window_as_a_model_scanning_layers_passes_it():
     np.testing.assert_allclose(np.asarray(outs[1]), case.expected(), **F32_TOL)
 
 
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_quantized_pages_match_dense(dtype):
+    """int8 and fp8 pages (a quantized KV pool): the kernel casts the stored values, the scales go
+    into q and the output, decodes and a chunk alike."""
+    rng = np.random.default_rng(5)
+    case = _case(rng, [(40, 1), (3, 2), (25, 4), (0, 9)]).quantized(dtype, 0.02, 0.03)
+    assert cpu.kernel_applies(case.q, case.kv)
+    fn = jax.jit(
+        functools.partial(cpu.ragged_paged_attention, sm_scale=case.sm_scale, k_scale=0.02, v_scale=0.03)
+    )
+    assert "jaxserve_ragged_paged_attention" in fn.lower(*case.args).as_text()
+    np.testing.assert_allclose(np.asarray(fn(*case.args)), case.expected(), **F32_TOL)
+
+
 def test_what_runs_the_reference():
-    """Many rows, quantized pages and bfloat16 rows are the reference's (same values either way)."""
+    """Many rows and bfloat16 rows or pages are the reference's (same values either way)."""
     rng = np.random.default_rng(3)
     many = _case(rng, [(5, 20)], num_tokens=cpu.CPU_KERNEL_MAX_ROWS + 8)
-    scaled = _case(rng, [(5, 1)]).quantized(jnp.int8, 0.05, 0.05)
     half = _case(rng, [(5, 1)])
     half = type(half)(
         **{**half.__dict__, "q": half.q.astype(jnp.bfloat16), "kv": half.kv.astype(jnp.bfloat16)}
     )
-    for case in (many, scaled, half):
-        assert not cpu.kernel_applies(case.q, case.kv, case.k_scale, case.v_scale)
-    assert cpu.kernel_applies(half.q.astype(jnp.float32), half.kv.astype(jnp.float32), None, None)
+    for case in (many, half):
+        assert not cpu.kernel_applies(case.q, case.kv)
+    assert not cpu.kernel_applies(half.q.astype(jnp.float32), half.kv)
+    assert cpu.kernel_applies(half.q.astype(jnp.float32), half.kv.astype(jnp.float32))
     out = jax.jit(functools.partial(cpu.ragged_paged_attention, sm_scale=many.sm_scale))(*many.args)
     np.testing.assert_allclose(np.asarray(out), many.expected(), **F32_TOL)
