@@ -4,7 +4,8 @@ outputs, and every device holds only its stage's layers (a quarter of each stack
 the KV pool's pages at pp = 4) split by its tensor-parallel group; the same tokens at pp = 1 and
 pp = 4 with int8 weights and an int8 KV cache (each stage reads its own layers' KV scales) and
 for a GGUF of 4-bit projections (the native kernel's stacks, read by layer index); peft's tokens
-with two LoRA adapters and transformers' for OPT at pp = 2 x tp = 2. A layer count the stages do
+with two LoRA adapters and transformers' for OPT at pp = 2 x tp = 2, and transformers' tokens from
+an engine with a draft model, offloaded weights and a sleep at pp = 2 x tp = 2. A layer count the stages do
 not divide, and more stages than devices, are one-line errors.
 
 The device count is fixed when JAX starts, so the engines run in one fresh subprocess."""
@@ -65,6 +66,19 @@ SCRIPT = textwrap.dedent(
         if tp == 2 or pp == 1:
             report[f"llama {pp}x{tp}"]["guided"] = [o.outputs[0].text for o in llm.generate(ids, GUIDED, use_tqdm=False)]
         del llm, runner
+    # the draft model's proposals (itself, on the same stages), weights offloaded to host memory,
+    # and a sleep and wake, in one engine
+    llm = LLM(paths["llama"], enable_sleep_mode=True, cpu_offload_gb=1,
+              speculative_config={"model": paths["llama"], "num_speculative_tokens": 3},
+              **engine_kwargs(tensor_parallel_size=2, pipeline_parallel_size=2))
+    before = tokens(llm.generate(ids, GREEDY, use_tqdm=False))
+    llm.sleep(1)
+    llm.wake_up()
+    report["combined 2x2"] = {"tokens": before, "after_sleep": tokens(llm.generate(ids, GREEDY, use_tqdm=False)),
+                              "accepted": llm.llm_engine.scheduler.spec_stats.num_accepted_tokens,
+                              "host_bytes": sum(v.value.nbytes for _, v in llm.llm_engine.runner.state.flat_state()
+                                                if v.value.sharding.memory_kind == "pinned_host")}
+    del llm
     for pp, tp in ((1, 1), (4, 2)):
         llm = LLM(paths["llama"], quantization="int8", kv_cache_dtype="int8", calculate_kv_scales=True,
                   **engine_kwargs(tensor_parallel_size=tp, pipeline_parallel_size=pp))
@@ -150,6 +164,13 @@ def test_every_stage_count_gives_transformers_greedy_tokens(runs):
         for field in ("greedy", "seeded", "guided"):
             assert report[key].get(field, base[field]) == base[field], (key, field)
     assert "guided" in report["llama 4x2"]
+
+
+def test_draft_proposals_offload_and_sleep_work_in_stages(runs):
+    _, report = runs
+    combined = report["combined 2x2"]
+    assert combined["tokens"] == combined["after_sleep"] == report["llama 1x1"]["greedy"]
+    assert combined["accepted"] > 0 and combined["host_bytes"] > 0
 
 
 def test_each_device_holds_its_stage_of_layers_and_pages(runs):
