@@ -23,7 +23,7 @@ from jaxserve.args import EngineArgs
 from jaxserve.loader.model_loader import abstract_model, build_model_args
 from jaxserve.model_resolution import targeting
 from jaxserve.runner.bucketing import Buckets
-from jaxserve.runner.kv_cache import abstract_kv_pool
+from jaxserve.runner.kv_cache import abstract_kv_pool, devices_per_block
 from jaxserve.runner.step import StepVariant
 from jaxserve.runner.step_cache import StepCache
 from jaxserve.runner.step_programs import StepLayout, StepPrograms
@@ -257,10 +257,7 @@ def check(
         "num_heads": args.num_heads,
         "num_kv_heads": spec.num_kv_heads,
         "head_dim": args.head_dim,
-        "kv_bytes_per_token": spec.bytes_per_block
-        / spec.page_size
-        / mesh.shape["model"]
-        / mesh.shape["stage"],
+        "kv_bytes_per_token": spec.bytes_per_block / spec.page_size / devices_per_block(mesh),
         "num_experts": args.moe.num_experts if getattr(args, "moe", None) else 0,
         "top_k": args.moe.top_k if getattr(args, "moe", None) else 0,
     }

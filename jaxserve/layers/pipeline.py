@@ -48,22 +48,27 @@ def run_layers(
     for each layer l, with per_layer_l["index"] the layer's index (within its stage under a
     pipeline). `layer` must read traced arrays only from its arguments: one it closed over would
     carry the mesh outside the stages into them, which JAX refuses where it indexes the array."""
-    num_layers = jax.tree.leaves(per_layer)[0].shape[0]
+
+    def scan(x, kv_pool, per_layer, whole, meta, shared):  # the layers of this device's stage
+        per_layer = {
+            **per_layer,
+            "index": jnp.arange(jax.tree.leaves(per_layer)[0].shape[0], dtype=jnp.int32),
+        }
+        return jax.lax.scan(lambda c, xs: layer(c, xs, whole, meta, shared), (x, kv_pool), per_layer)[0]
+
     stages = num_stages()
     if stages == 1:
-        per_layer = {**per_layer, "index": jnp.arange(num_layers, dtype=jnp.int32)}
-        return jax.lax.scan(lambda c, xs: layer(c, xs, whole, meta, shared), (x, kv_pool), per_layer)[0]
-    local_layers = num_layers // stages
+        return scan(x, kv_pool, per_layer, whole, meta, shared)
+    local_layers = jax.tree.leaves(per_layer)[0].shape[0] // stages
 
     def stage_body(x, kv_pool, per_layer, whole, meta, shared):
         stage = jax.lax.axis_index(STAGE_AXIS)
-        per_layer = {**per_layer, "index": jnp.arange(local_layers, dtype=jnp.int32)}
         if meta is not None and meta.kv_scales is not None:
             own = jax.lax.dynamic_slice_in_dim(meta.kv_scales, stage * local_layers, local_layers)
             meta = dataclasses.replace(meta, kv_scales=own)
 
         def run(x, kv_pool):
-            return jax.lax.scan(lambda c, xs: layer(c, xs, whole, meta, shared), (x, kv_pool), per_layer)[0]
+            return scan(x, kv_pool, per_layer, whole, meta, shared)
 
         for tick in range(stages):
             x, kv_pool = jax.lax.cond(stage == tick, run, lambda x, kv_pool: (x, kv_pool), x, kv_pool)

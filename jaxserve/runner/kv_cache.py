@@ -39,6 +39,12 @@ class KVCacheSpec:
         return per_page * self.num_layers
 
 
+def devices_per_block(mesh: Mesh) -> int:
+    """The devices one block's bytes are divided over: its KV heads over "model", its layers
+    over "stage"."""
+    return mesh.shape["model"] * mesh.shape.get("stage", 1)
+
+
 def num_blocks_for(
     spec: KVCacheSpec,
     cache: CacheConfig,
@@ -61,8 +67,7 @@ def num_blocks_for(
     devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]  # this host's
     stats = memory_stats or [d.memory_stats() if d.platform != "cpu" else None for d in devices]
     shared_per_block, shared_weights = shared
-    # each device holds 1/tp of every block, of its stage's layers only
-    per_block = (spec.bytes_per_block + shared_per_block) / (mesh.shape["model"] * mesh.shape.get("stage", 1))
+    per_block = (spec.bytes_per_block + shared_per_block) / devices_per_block(mesh)
     if cache.kv_cache_memory_bytes is not None:
         free = cache.kv_cache_memory_bytes
         where = f"--kv-cache-memory-bytes={free}"
