@@ -306,7 +306,9 @@ class EngineArgsFields:
         "Allow LLM.sleep() / wake_up() (and the server's /sleep, /wake_up with VLLM_SERVER_DEV_MODE=1) "
         "to free the weights and KV cache on the devices and take them back.",
     )
-    allowed_local_media_path: str = arg(G.MODEL, "", "Directory multimodal inputs may read.", tier="C")
+    allowed_local_media_path: str = arg(
+        G.MODEL, "", "Directory whose files a chat request's file:// image URLs may read (unset: none)."
+    )
     override_neuron_config: dict | None = arg(G.MODEL, None, "Neuron device settings.", tier="C")
     max_context_len_to_capture: int | None = arg(
         G.MODEL, None, "Older name of --max-seq-len-to-capture.", tier="C"
@@ -423,9 +425,20 @@ class EngineArgsFields:
         "JSON file of the quantized KV cache's per-layer scales (vLLM's kv_cache_scales format).",
     )
     # ---- MultiModalConfig
-    limit_mm_per_prompt: dict = arg(G.MM, help="Most multimodal items per prompt.", tier="C", factory=dict)
-    mm_processor_kwargs: dict | None = arg(G.MM, None, "Multimodal processor settings.", tier="C")
-    disable_mm_preprocessor_cache: bool = arg(G.MM, False, "Multimodal preprocessor cache.", tier="C")
+    limit_mm_per_prompt: dict = arg(
+        G.MM,
+        help='Most items of a modality one prompt may hold, as JSON: {"image": 2} (default: 999 images).',
+        factory=dict,
+    )
+    mm_processor_kwargs: dict | None = arg(
+        G.MM,
+        None,
+        'Overrides of the image processor\'s config, as JSON (e.g. {"do_image_splitting": false} or '
+        '{"size": {"longest_edge": 1024}} for Idefics3 / SmolVLM).',
+    )
+    disable_mm_preprocessor_cache: bool = arg(
+        G.MM, False, "Keep no encoded images between steps (each image is encoded for every prompt it is in)."
+    )
     # ---- LoRAConfig
     enable_lora: bool = arg(
         G.LORA, False, "Serve LoRA adapters (PEFT directories) on the decoder layers' projections."

@@ -57,6 +57,18 @@ class ModelConfig:
     # "generate" (an LM: tokens out) or "pooling" (an embedding model: one vector per prompt)
     runner_type: str = "generate"
     pooler_config: PoolerConfig | None = None  # how a pooling model reduces a prompt; pooling only
+    # Vision-language models (jaxserve/multimodal): the most images a prompt may hold
+    # (--limit-mm-per-prompt), the image processor's overrides (--mm-processor-kwargs), and the
+    # bytes of encoded images kept for reuse (0: --disable-mm-preprocessor-cache)
+    limit_mm_per_prompt: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    mm_processor_kwargs: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    mm_cache_bytes: int = 1 << 30
+    allowed_local_media_path: str = ""  # file:// image URLs are read only below this directory
+
+    @property
+    def is_multimodal(self) -> bool:
+        """The model takes images beside text (its config has a vision part)."""
+        return "vision_config" in self.hf_config
 
     @property
     def architecture(self) -> str:

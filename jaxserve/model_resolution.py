@@ -112,6 +112,30 @@ def _with_rope_flags(hf_config: dict, rope_scaling: dict, rope_theta: float | No
     return hf_config
 
 
+def _with_text_config(hf_config: dict) -> dict:
+    """A vision-language config's text part lifted to the top level, where everything that reads
+    a decoder's settings looks (the name, type and vision parts stay the model's own)."""
+    text = hf_config.get("text_config")
+    if not isinstance(text, dict) or "vision_config" not in hf_config:
+        return hf_config
+    keep = {k: hf_config[k] for k in ("architectures", "model_type") if k in hf_config}
+    return {**hf_config, **text, **keep}
+
+
+def _mm_limits(value) -> dict[str, int]:
+    """--limit-mm-per-prompt as vLLM takes it: {"image": 2}, or {"image": {"count": 2, ...}}."""
+    limits = {}
+    for modality, limit in as_dict(value, "limit_mm_per_prompt").items():
+        count = limit.get("count") if isinstance(limit, dict) else limit
+        if modality not in ("image", "video", "audio") or not isinstance(count, int) or count < 0:
+            raise ValueError(
+                f"limit_mm_per_prompt: {modality!r}: {limit!r} is not a modality (image, video, audio) "
+                "with a count >= 0."
+            )
+        limits[modality] = count
+    return limits
+
+
 def _check_ignore_patterns(ignore_patterns, path: str, is_gguf: bool) -> None:
     patterns = [ignore_patterns] if isinstance(ignore_patterns, str) else ignore_patterns
     if not patterns:
@@ -163,7 +187,7 @@ def model_config_from_args(args) -> ModelConfig:
         from jaxserve.loader.safetensors import read_hf_config
 
         hf_config = read_hf_config(path)
-    hf_config = {**hf_config, **as_dict(args.hf_overrides, "hf_overrides")}
+    hf_config = {**_with_text_config(hf_config), **as_dict(args.hf_overrides, "hf_overrides")}
     hf_config = _with_rope_flags(hf_config, as_dict(args.rope_scaling, "rope_scaling"), args.rope_theta)
 
     from jaxserve.models.registry import resolve_architecture
@@ -224,6 +248,10 @@ def model_config_from_args(args) -> ModelConfig:
         use_tqdm_on_load=args.use_tqdm_on_load,
         enable_sleep_mode=args.enable_sleep_mode,
         enable_prompt_embeds=args.enable_prompt_embeds,
+        limit_mm_per_prompt=MappingProxyType(_mm_limits(args.limit_mm_per_prompt)),
+        mm_processor_kwargs=MappingProxyType(as_dict(args.mm_processor_kwargs, "mm_processor_kwargs")),
+        mm_cache_bytes=0 if args.disable_mm_preprocessor_cache else 1 << 30,
+        allowed_local_media_path=args.allowed_local_media_path,
         quantization=quantization,
         checkpoint_quantization=checkpoint_quantization,
         runner_type=runner_type,

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from jaxserve.multimodal.images import ImageRows
 
 # The arrays of a TopLogprobs: jax.Array inside the step, np.ndarray on the host.
 ArrayT = TypeVar("ArrayT")
@@ -121,8 +124,13 @@ class ScheduledSeq(NamedTuple):
     # that differs from the proposal after it (ModelRunnerOutput.num_sampled).
     num_drafts: int = 0
     # A prompt given as embeddings: float32 [rows, hidden] fed in place of the embedding table's
-    # rows at the first rows of token_ids (their ids are placeholders); None for every other row.
-    prompt_embeds: np.ndarray | None = None
+    # rows at the first rows of token_ids (their ids are placeholders); or (offsets into token_ids,
+    # [rows, hidden] float32) at those tokens (an image's rows, runner/image_encoder.py); None for
+    # every other row.
+    prompt_embeds: np.ndarray | tuple[np.ndarray, np.ndarray] | None = None
+    # A prompt's image rows among this row's tokens (jaxserve/multimodal/images.py): the runner
+    # encodes the images and feeds their rows like prompt embeddings; None for every other row.
+    images: ImageRows | None = None
 
     @property
     def num_new(self) -> int:

@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pallas_kernels",),
     ("jaxserve.config", "jaxserve.sampling_params", "jaxserve.scheduler_output", "jaxserve.outputs",
      "jaxserve.beam_search", "jaxserve.reasoning", "jaxserve.spec_decode", "jaxserve.pooling_params",
-     "jaxserve.prompt_embeds"),
+     "jaxserve.prompt_embeds", "jaxserve.multimodal"),
 )  # fmt: skip
 
 

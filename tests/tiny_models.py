@@ -150,6 +150,85 @@ def make_tokenizer(vocab_size: int):
     return fast
 
 
+# SmolVLM's chat template: an image part is its <image> placeholder, in the text where it stands.
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+# A tiny Idefics3 / SmolVLM: a 2-layer SigLIP over 32x32 tiles of 8x8 patches (16 patches, 4
+# tokens a tile after the pixel shuffle), images resized to at most 96 on the long side (up to
+# 3x3 tiles and the global one).
+TINY_IDEFICS3_VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=32,
+    patch_size=8,
+)
+TINY_IDEFICS3_PREPROCESSOR = {
+    "image_processor_type": "Idefics3ImageProcessor",
+    "do_convert_rgb": True,
+    "do_resize": True,
+    "size": {"longest_edge": 96},
+    "resample": 1,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "do_pad": True,
+    "do_image_splitting": True,
+    "max_image_size": {"longest_edge": 32},
+}
+IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
+    f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)
+]
+
+
+def make_idefics3_checkpoint(path, seed: int = 0, dtype: str = "float32"):
+    """Save a tiny random Idefics3ForConditionalGeneration with a tokenizer that knows the image
+    tokens, SmolVLM's chat template and the image processor's config; return (the torch model,
+    transformers' processor for it)."""
+    import json
+
+    import torch
+    import transformers
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = make_tokenizer(512)
+    tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
+    tokenizer.chat_template = SMOLVLM_CHAT_TEMPLATE
+    text = {**TINY_LLAMA, "vocab_size": -(-len(tokenizer) // 8) * 8, "max_position_embeddings": 1024}
+    torch.manual_seed(seed)
+    config = transformers.Idefics3Config(
+        text_config=text,
+        vision_config=TINY_IDEFICS3_VISION,
+        scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+    )
+    model = transformers.Idefics3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 0.08)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.to(getattr(torch, dtype)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
+        json.dump(TINY_IDEFICS3_PREPROCESSOR, f)
+    settings = {k: v for k, v in TINY_IDEFICS3_PREPROCESSOR.items() if k != "image_processor_type"}
+    processor = transformers.Idefics3Processor(
+        image_processor=Idefics3ImageProcessorPil(**settings), tokenizer=tokenizer, image_seq_len=4
+    )
+    return model, processor
+
+
 def make_llama_checkpoint(path, variant: str = "gqa", dtype: str = "float32", seed: int = 0):
     """Save a tiny random LlamaForCausalLM with its tokenizer; return the torch model."""
     return make_checkpoint(path, "LlamaConfig", "LlamaForCausalLM", LLAMA_VARIANTS[variant], dtype, seed)

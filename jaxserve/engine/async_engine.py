@@ -162,6 +162,11 @@ class AsyncLLMEngine:
         """ValueError for ids outside the vocabulary (before a tokenizer is asked to decode them)."""
         self.engine.check_prompt_token_ids(token_ids)
 
+    def expand_images(self, prompt: Mapping) -> dict:
+        """A prompt with images as it will run: its placeholders expanded, its images processed
+        (CPU work: call it off the event loop); ValueError on bad images."""
+        return self.engine.expand_images(prompt)
+
     def check_lora(self, lora_request) -> None:
         """Read a LoRA adapter as a request naming it would (ValueError, one line, if it cannot
         be served; LookupError if LoRA is not enabled)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +27,9 @@ from jaxserve.reasoning import get_reasoning_parser
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.scheduler_output import MAX_BANNED_TOKENS, LogitsSpec
 from jaxserve.structured_output import GrammarCompiler
+
+if TYPE_CHECKING:
+    from jaxserve.multimodal.images import RequestImages
 
 PromptType = str | Sequence[int] | Mapping
 # What a pooling request carries as sampling params: it samples nothing, and reports at its end.
@@ -53,6 +57,14 @@ class InputProcessor:
         reasoning = get_reasoning_parser(so.reasoning_parser)(tokenizer) if so.reasoning_parser else None
         eos_ids = {self.eos_token_id, *self.extra_eos_ids} - {None}
         self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_ids, so, reasoning)
+        mc = config.model_config
+        self.image_prompts = None  # a vision-language model's (Pillow is imported for it only)
+        if mc.is_multimodal:
+            from jaxserve.multimodal.images import ImagePrompts
+
+            self.image_prompts = ImagePrompts.for_model(
+                mc.model, mc.hf_config, mc.mm_processor_kwargs, mc.limit_mm_per_prompt
+            )
 
     def _eos_ids(self, generation_config: Mapping) -> tuple[int | None, set[int]]:
         """The tokenizer's eos, plus any other end-of-sequence ids the model or its
@@ -98,7 +110,13 @@ class InputProcessor:
         if self._pools(params):
             return self._pooling_request(request_id, prompt, params, priority, arrival_time)
         embeds = self._prompt_embeds(prompt, params)
-        text, token_ids = (None, [0] * len(embeds)) if embeds is not None else self.tokenize_prompt(prompt)
+        images = self._with_images(prompt)
+        if embeds is not None:
+            text, token_ids = None, [0] * len(embeds)
+        elif images is not None:
+            text, token_ids, images = images
+        else:
+            text, token_ids = self.tokenize_prompt(prompt)
         room = self._check_prompt_length(token_ids)
         self._check_logprobs(params)
         # compiled here, before anything is queued: a bad schema fails the request, never a step
@@ -128,6 +146,8 @@ class InputProcessor:
             child.logits_spec, child.bad_words = spec, bad_words
             if embeds is not None:
                 child.prompt_embeds, child.embeds_digest = embeds, parent_digest
+            if images is not None:
+                child.images, child.embeds_digest = images, images.digest
             if grammar is not None:
                 matcher = grammar if i == 0 else grammar.deep_copy()
                 prompt_ids, accepted = (
@@ -166,6 +186,39 @@ class InputProcessor:
                 "prompt_logprobs needs the prompt's token ids: a prompt given as embeddings has none."
             )
         return as_prompt_embeds(prompt["prompt_embeds"], embedding_width(mc.hf_config))
+
+    def expand_images(self, prompt: Mapping) -> dict:
+        """A prompt with images as it will run, without queueing it: its text, its tokens with
+        the images' placeholders expanded (what the server counts and checks a request by), and
+        the processed images ("expanded_images"); process() takes it as it is."""
+        text, token_ids, images = self._with_images(prompt)
+        return {"prompt": text, "prompt_token_ids": token_ids, "expanded_images": images}
+
+    def _with_images(self, prompt: PromptType) -> tuple[str | None, list[int], RequestImages] | None:
+        """A prompt with images ({"prompt" or "prompt_token_ids", "multi_modal_data": {"image":
+        one or a list}}): its text, its tokens with each image's placeholder expanded, and where
+        the images' rows go; None for a prompt without images."""
+        if isinstance(prompt, Mapping) and "expanded_images" in prompt:  # (expand_images' own)
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"]), prompt["expanded_images"]
+        data = prompt.get("multi_modal_data") if isinstance(prompt, Mapping) else None
+        if not data:
+            return None
+        if self.image_prompts is None:
+            raise ValueError(
+                f"{self.config.model_config.architecture} is not a multimodal model: it takes no images."
+            )
+        if set(data) != {"image"}:
+            raise ValueError(f"multi_modal_data: only 'image' inputs are supported, got {sorted(data)}.")
+        images = data["image"]
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        for image in images:
+            if not (hasattr(image, "convert") and hasattr(image, "tobytes")):
+                raise ValueError(f"multi_modal_data images must be PIL images, got {type(image).__name__}.")
+        if self.tokenizer is None:
+            raise ValueError("Images need the tokenizer (skip_tokenizer_init is set).")
+        text, token_ids = self.tokenize_prompt(prompt)
+        token_ids, where = self.image_prompts.expand(token_ids, images, self.tokenizer)
+        return text, token_ids, where
 
     def _pooling_request(
         self, request_id: str, prompt: PromptType, params: PoolingParams, priority: int, arrival_time

@@ -156,6 +156,11 @@ class LLMEngine:
     def check_prompt_token_ids(self, token_ids: Sequence[int]) -> None:
         self.input_processor.check_prompt_token_ids(token_ids)
 
+    def expand_images(self, prompt: Mapping) -> dict:
+        """A prompt with images with their placeholders expanded and the images processed
+        (InputProcessor.expand_images); ValueError on bad images."""
+        return self.input_processor.expand_images(prompt)
+
     def add_request(
         self,
         request_id: str,

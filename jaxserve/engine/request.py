@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from jaxserve.pooling_params import PooledSums, PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler_output import LogitsSpec, TopLogprobs
+
+if TYPE_CHECKING:
+    from jaxserve.multimodal.images import RequestImages
 
 
 class RequestStatus(enum.Enum):
@@ -46,6 +50,8 @@ class Request:
     # bytes (the root of its prefix-cache chain); None for a prompt of tokens.
     prompt_embeds = None
     embeds_digest: bytes | None = None
+    # A prompt with images: where their rows go (its embeds_digest is the images' digest).
+    images: RequestImages | None = None
 
     def __init__(
         self,

@@ -480,6 +480,7 @@ class Scheduler:
             req.lora_slot,
             len(drafts),
             None if req.prompt_embeds is None else _embeds_rows(req, start, end),
+            None if req.images is None else req.images.rows_for(start, min(end, req.num_prompt_tokens)),
         )
 
     def _cache_root(self, req: Request):

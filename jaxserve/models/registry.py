@@ -15,6 +15,7 @@ import numpy as np
 from jaxserve.models.bert import bert_args, bert_names
 from jaxserve.models.gemma import gemma2_args, gemma3_args, gemma_args
 from jaxserve.models.gpt2 import gpt2_args, gpt2_names
+from jaxserve.models.idefics3 import Idefics3ForConditionalGeneration, idefics3_args, idefics3_names
 from jaxserve.models.llama import LlamaArgs, LlamaForCausalLM
 from jaxserve.models.mixtral import mixtral_args, rename_experts
 from jaxserve.models.modernbert import ModernBertArgs, ModernBertModel
@@ -46,6 +47,10 @@ _REGISTRY: dict[str, ModelEntry] = {
     "Gemma2ForCausalLM": ModelEntry(LlamaForCausalLM, gemma2_args),
     "Gemma3ForCausalLM": ModelEntry(LlamaForCausalLM, gemma3_args),
     "GPT2LMHeadModel": ModelEntry(OPTForCausalLM, gpt2_args, gpt2_names),
+    # vision-language: an image encoder before the Llama decoder (models/idefics3.py)
+    "Idefics3ForConditionalGeneration": ModelEntry(
+        Idefics3ForConditionalGeneration, idefics3_args, idefics3_names
+    ),
     "LlamaForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf),
     "MistralForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf),
     "MixtralForCausalLM": ModelEntry(LlamaForCausalLM, mixtral_args, rename_experts),

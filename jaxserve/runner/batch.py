@@ -269,17 +269,20 @@ def _prompt_targets(seqs, ragged: _Ragged, num_tokens: int) -> np.ndarray:
 
 
 def _input_embeds(all_embeds: list, ragged: _Ragged, num_tokens: int) -> InputEmbeds | None:
-    """The rows of the prompts given as embeddings at their tokens' places in the token bucket
-    (each row's first tokens), and where they are; None when no row has any."""
+    """The rows fed in place of the embedding table's at their tokens' places in the token
+    bucket, and where they are; None when no row has any. A row's are an array (a prompt given as
+    embeddings: its first tokens) or (offsets from its first token, rows) (a prompt's images)."""
     present = [(i, e) for i, e in enumerate(all_embeds) if e is not None]
     if not present:
         return None
-    rows = np.zeros((num_tokens, present[0][1].shape[1]), np.float32)
+    width = present[0][1][1].shape[1] if isinstance(present[0][1], tuple) else present[0][1].shape[1]
+    rows = np.zeros((num_tokens, width), np.float32)
     mask = np.zeros(num_tokens, np.int32)
     for i, e in present:
         at = ragged.cu[i]
-        rows[at : at + len(e)] = e
-        mask[at : at + len(e)] = 1
+        where = at + e[0] if isinstance(e, tuple) else slice(at, at + len(e))
+        rows[where] = e[1] if isinstance(e, tuple) else e
+        mask[where] = 1
     return InputEmbeds(rows, mask)
 
 

@@ -17,6 +17,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -36,6 +37,7 @@ from jaxserve.runner import batch as batch_lib
 from jaxserve.runner import executable_cache, kv_scales
 from jaxserve.runner import sleep as sleep_mode
 from jaxserve.runner.bucket_compiles import BucketCompiles
+from jaxserve.runner.image_encoder import ImageEncoder
 from jaxserve.runner.kv_cache import allocate_kv_pool
 from jaxserve.runner.lora_writer import LoRAWriter
 from jaxserve.runner.offload import offload_layers
@@ -49,6 +51,9 @@ from jaxserve.sharding import mesh_for
 from pallas_kernels import native
 
 logger = logging.getLogger(__name__)
+
+
+_IMAGES = operator.attrgetter("images")
 
 
 def bytes_per_device(tree) -> dict:
@@ -104,6 +109,12 @@ class ModelRunner:
             stored_as=(self._model_name, repr(self.args), ("native kernels", self.native_kernels)),
         )
         self.compiles = BucketCompiles(self.buckets, self._compile_plain)
+        # A vision-language model's image encoder and its cache (runner/image_encoder.py)
+        self.images = (
+            ImageEncoder(self.graphdef, self.mesh, config.model_config.mm_cache_bytes)
+            if getattr(self.args, "vision", None) is not None
+            else None
+        )
         # Several processes (jax.distributed): process 0 publishes every call the others must
         # replay (jaxserve/distributed.py); they run the same programs on their own devices.
         self.channel = None
@@ -336,6 +347,9 @@ class ModelRunner:
         device runs the forward pass. `bitmask`: the mask already filled (how process 0 hands it
         to the others, which replay the call)."""
         bucket = self.ready_buckets.pick(sched.num_tokens, len(sched.seqs))
+        published = sched  # (the others encode a step's images themselves, as this process does)
+        if self.images is not None and any(map(_IMAGES, sched.seqs)):
+            sched = self.images.feed(self.state, sched)
         variant = self._pool if self.pooling else StepVariant.for_batch(sched)
         if variant.with_token_bitmask and bitmask is None:
             bitmask = self._bitmask(bucket[1])
@@ -343,7 +357,7 @@ class ModelRunner:
                 fill_bitmask(bitmask)
                 fill_bitmask = None
         if self.channel is not None:
-            self.channel.publish("dispatch", sched, None, bitmask)
+            self.channel.publish("dispatch", published, None, bitmask)
         if sched.swap:  # before the step, which may write into pages a swapped request gave back
             self.kv_pool = self.swapped.apply(self.kv_pool, sched.swap)
         inputs = self.prepare(sched, bucket, variant.kind == "verify")

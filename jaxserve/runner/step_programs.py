@@ -99,7 +99,7 @@ class StepLayout:
             num_speculative_tokens=config.speculative_config.num_speculative_tokens
             if config.speculative_config
             else 0,
-            embeds_width=embedding_width(mc.hf_config) if mc.enable_prompt_embeds else 0,
+            embeds_width=embedding_width(mc.hf_config) if mc.enable_prompt_embeds or mc.is_multimodal else 0,
         )
 
     @property

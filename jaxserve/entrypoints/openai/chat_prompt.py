@@ -48,20 +48,47 @@ def detect_content_format(template: str | None) -> str:
     return "openai" if template and _LOOPS_OVER_CONTENT.search(template) else "string"
 
 
-def _texts(content: str | list[dict[str, Any]] | None) -> list[str]:
-    """A message's text, whatever shape the client sent it in: no content (an assistant turn
-    that only calls tools) is no text; a string is one; a list holds OpenAI's text parts."""
+def _parts(content: str | list[dict[str, Any]] | None) -> list[str | None]:
+    """A message's parts, whatever shape the client sent it in: its texts, and None where an
+    image stands. No content (an assistant turn that only calls tools) has none; a string is one
+    text; a list holds OpenAI's text and image_url parts."""
     if content is None:
         return []
     if isinstance(content, str):
         return [content]
-    texts = []
+    parts = []
     for part in content:
         kind = part.get("type")
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise ValueError(f"message content parts of type {kind!r} are not supported; only 'text'.")
-        texts.append(part["text"])
-    return texts
+        if kind == "image_url":
+            image_url(part)
+            parts.append(None)
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        else:
+            raise ValueError(
+                f"message content parts of type {kind!r} are not supported; only 'text' and 'image_url'."
+            )
+    return parts
+
+
+def image_url(part: dict[str, Any]) -> str:
+    """An image_url part's URL ({"url": ...}, or the URL alone as some clients send it)."""
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise ValueError("an image_url content part needs image_url.url: a data:, file:// or http(s) URL.")
+    return url
+
+
+def chat_image_urls(body: ChatCompletionRequest | TokenizeChatRequest) -> list[str]:
+    """The URLs of the conversation's images, in the order the prompt shows them."""
+    return [
+        image_url(part)
+        for m in body.messages
+        if isinstance(m.content, list)
+        for part in m.content
+        if part.get("type") == "image_url"
+    ]
 
 
 def _template_tool_calls(tool_calls: list) -> list:
@@ -86,15 +113,21 @@ def _template_tool_calls(tool_calls: list) -> list:
     return calls
 
 
-def _template_message(m: ChatMessage, content_format: str) -> dict[str, Any]:
+def _template_message(m: ChatMessage, content_format: str, placeholder: str | None) -> dict[str, Any]:
     """One message as vLLM hands it to a template: content always present (a string, or a list
-    of text parts for templates that loop over parts; empty when the client sent none), an
-    assistant's `tool_calls` (arguments as objects) and reasoning (under both names templates
-    read), a tool result's `tool_call_id`, and `name`. Other fields stay out of the prompt."""
-    texts = _texts(m.content)
-    content: str | list = (
-        "\n".join(texts) if content_format == "string" else [{"type": "text", "text": t} for t in texts]
-    )
+    of parts for templates that loop over parts: texts, and {"type": "image"} where an image
+    stands; empty when the client sent none), an assistant's `tool_calls` (arguments as objects)
+    and reasoning (under both names templates read), a tool result's `tool_call_id`, and `name`.
+    Other fields stay out of the prompt. In a string, a message's images are the model's
+    placeholders, each on a line before its text."""
+    parts = _parts(m.content)
+    if None in parts and placeholder is None:
+        raise ValueError("This model takes no images: send text content only.")
+    content: str | list
+    if content_format == "string":
+        content = "\n".join([placeholder] * parts.count(None) + [t for t in parts if t is not None])
+    else:
+        content = [{"type": "image"} if t is None else {"type": "text", "text": t} for t in parts]
     message: dict[str, Any] = {"role": m.role, "content": content}
     extra = m.model_extra or {}
     if m.role == "assistant":
@@ -115,10 +148,12 @@ def render_chat_prompt(
     body: ChatCompletionRequest | TokenizeChatRequest,
     server_template: str | None,
     content_format: str,
+    image_placeholder: str | None = None,
 ) -> str:
     """The conversation as the prompt text the chat template makes of it. The request's own
     chat_template wins over `server_template`; `content_format` is
-    --chat-template-content-format ("auto" looks at the template)."""
+    --chat-template-content-format ("auto" looks at the template); `image_placeholder`: what
+    stands for an image in a string content (None: the model takes no images)."""
     template = load_chat_template(body.chat_template) or server_template
     if template is None:
         raise ValueError(
@@ -126,7 +161,7 @@ def render_chat_prompt(
         )
     if content_format == "auto":
         content_format = detect_content_format(template)
-    conversation = [_template_message(m, content_format) for m in body.messages]
+    conversation = [_template_message(m, content_format, image_placeholder) for m in body.messages]
     kwargs = dict(body.chat_template_kwargs or {})
     if getattr(body, "tools", None):
         kwargs["tools"] = body.tools

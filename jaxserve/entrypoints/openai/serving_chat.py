@@ -16,13 +16,16 @@ from typing import NamedTuple
 from aiohttp import web
 
 from jaxserve.engine.tracing import trace_headers
+from jaxserve.entrypoints.openai.chat_prompt import chat_image_urls
 from jaxserve.entrypoints.openai.chat_reply import ChatReply
 from jaxserve.entrypoints.openai.chat_tools import reply_tool_parser, tool_choice_mode, tool_constraint
 from jaxserve.entrypoints.openai.logprobs import prompt_logprobs
+from jaxserve.entrypoints.openai.media import MediaLimits, load_image
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, bad_request, now
 from jaxserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt
 from jaxserve.entrypoints.openai.sse import sse_response
 from jaxserve.entrypoints.openai.structured_outputs import structured_outputs_field, structured_outputs_params
+from jaxserve.multimodal.images import DEFAULT_LIMIT
 from jaxserve.outputs import RequestOutput
 from jaxserve.reasoning import get_reasoning_parser
 
@@ -57,14 +60,27 @@ class OpenAIServingChat(OpenAIServing):
         return self.args.response_role if body.add_generation_prompt else body.messages[-1].role
 
     async def prompt_for(self, body: ChatCompletionRequest) -> Prompt:
-        """Render and tokenize the conversation (off the event loop: templates and long
-        conversations take a while)."""
+        """Render and tokenize the conversation, and fetch, decode and process its images, with
+        their placeholders expanded (off the event loop: templates, long conversations and
+        images take a while)."""
 
         def render() -> Prompt:
             text = self.render_chat(body)
             return self.tokenize(text, body.add_special_tokens, body.truncate_prompt_tokens)
 
-        return await asyncio.to_thread(render)
+        prompt = await asyncio.to_thread(render)
+        urls = chat_image_urls(body)
+        if not urls:
+            return prompt
+        limit = self.model_config.limit_mm_per_prompt.get("image", DEFAULT_LIMIT)
+        if len(urls) > limit:
+            raise ValueError(
+                f"At most {limit} image(s) may be provided in one prompt (--limit-mm-per-prompt); got {len(urls)}."
+            )
+        limits = MediaLimits(allowed_local_media_path=self.model_config.allowed_local_media_path)
+        images = await asyncio.gather(*(load_image(url, limits) for url in urls))
+        prompt["multi_modal_data"] = {"image": images}
+        return await asyncio.to_thread(self.engine.expand_images, prompt)
 
     async def create(self, body: ChatCompletionRequest, raw: web.Request) -> web.StreamResponse:
         run = await self.start(body, raw, "chatcmpl")

@@ -32,6 +32,7 @@ from jaxserve.entrypoints.openai.protocol import (
 from jaxserve.entrypoints.openai.server_args import ServerArgs
 from jaxserve.entrypoints.openai.stream_merge import merge_streams
 from jaxserve.lora.modules import LoRAModules
+from jaxserve.multimodal import image_placeholder
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.prompt_embeds import as_prompt_embeds, decode_tensor, embedding_width
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -122,7 +123,13 @@ class OpenAIServing:
     def render_chat(self, body: ChatCompletionRequest | TokenizeChatRequest) -> str:
         """The conversation as the prompt text the model's chat template makes of it."""
         tokenizer = self.require_tokenizer()
-        return render_chat_prompt(tokenizer, body, self.chat_template, self.args.chat_template_content_format)
+        return render_chat_prompt(
+            tokenizer,
+            body,
+            self.chat_template,
+            self.args.chat_template_content_format,
+            image_placeholder(self.model_config.hf_config),
+        )
 
     # ---- running -------------------------------------------------------------------------
 

@@ -1,0 +1,168 @@
+"""Idefics3 / SmolVLM (a SigLIP encoder, pixel shuffle and projection before a Llama decoder)
+against transformers on the same tiny random weights: image+text prompts through the offline
+engine give transformers' logprobs and greedy tokens, with the prompt's image tokens split across
+prefill chunks, several images per prompt, split and unsplit images, and images that must not
+share prefix-cache pages or encoder rows with another image's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tiny_models import engine_kwargs, make_idefics3_checkpoint
+
+torch = pytest.importorskip("torch")
+from PIL import Image  # noqa: E402
+
+from jaxserve import LLM, SamplingParams  # noqa: E402
+
+
+def _image(seed: int, height: int, width: int) -> Image.Image:
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), np.uint8))
+
+
+IMAGES = {
+    "wide": _image(0, 40, 70),
+    "small": _image(1, 20, 20),
+    "tall": _image(2, 90, 50),
+    "square": _image(3, 64, 64),
+}
+# (prompt, images): a split image (2x3 tiles + the global one), two images, one image no larger
+# than a tile (the global image only), and no image
+CASES = [
+    ("Look <image> and tell", ["wide"]),
+    ("A <image> B <image> C", ["small", "tall"]),
+    ("<image>", ["small"]),
+    ("just text here", []),
+]
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("idefics3")
+    model, processor = make_idefics3_checkpoint(path)
+    llm = LLM(model=str(path), **engine_kwargs())  # a 64-token budget: image tokens span chunks
+    return str(path), model, processor, llm
+
+
+def _request(prompt: str, names: list[str]):
+    return {"prompt": prompt, "multi_modal_data": {"image": [IMAGES[n] for n in names]}} if names else prompt
+
+
+def _reference(model, processor, prompt: str, names: list[str], max_tokens: int):
+    """transformers' greedy tokens and the first step's log-probabilities."""
+    images = [[IMAGES[n] for n in names]] if names else None
+    inputs = processor(text=[prompt], images=images, return_tensors="pt")
+    with torch.no_grad():
+        first = torch.log_softmax(model(**inputs).logits[0, -1].double(), -1).numpy()
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist(), first
+
+
+def test_image_prompts_match_transformers(vlm):
+    _, model, processor, llm = vlm
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=5, ignore_eos=True)
+    outs = llm.generate([_request(p, n) for p, n in CASES], params, use_tqdm=False)
+    for (prompt, names), out in zip(CASES, outs, strict=True):
+        tokens, first = _reference(model, processor, prompt, names, 10)
+        images = [[IMAGES[n] for n in names]] if names else None
+        assert list(out.prompt_token_ids) == processor(text=[prompt], images=images)["input_ids"][0]
+        assert list(out.outputs[0].token_ids) == tokens, prompt
+        for token, lp in out.outputs[0].logprobs[0].items():
+            assert lp.logprob == pytest.approx(first[token], abs=2e-4), (prompt, token)
+        assert out.prompt == prompt
+
+
+def test_another_image_changes_the_answer_and_shares_nothing(vlm):
+    """The same text with another image: transformers' logprobs for each, so neither the prefix
+    cache (pages keyed by the images) nor the encoder's cache mixed the two up. The same image and
+    text again is served from the prefix cache; the same image after other text is fed from the
+    encoder's cache."""
+    _, model, processor, llm = vlm
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    encoder = llm.llm_engine.runner.images
+    results = []
+    for prompt, names in [
+        ("Describe <image> please", ["square"]),
+        ("Describe <image> please", ["tall"]),
+        ("Describe <image> please", ["square"]),
+        ("Something else first, then <image> please", ["square"]),
+    ]:
+        hits, misses = encoder.hits, encoder.misses
+        (out,) = llm.generate([_request(prompt, names)], params, use_tqdm=False)
+        _, first = _reference(model, processor, prompt, names, 1)
+        for token, lp in out.outputs[0].logprobs[0].items():
+            assert lp.logprob == pytest.approx(first[token], abs=2e-4), (prompt, names)
+        results.append(
+            (out.outputs[0].logprobs[0], out.num_cached_tokens, encoder.hits - hits, encoder.misses - misses)
+        )
+    (
+        (square, _, _, encoded),
+        (tall, cached_tall, _, _),
+        (again, cached, hits, misses),
+        (_, _, hits_after, misses_after),
+    ) = results
+    assert encoded == 1 and cached_tall == 0  # pages are keyed by the images
+    assert square.keys() != tall.keys() or any(square[t].logprob != tall[t].logprob for t in square)
+    assert again.keys() == square.keys()
+    assert all(again[t].logprob == pytest.approx(square[t].logprob, abs=1e-5) for t in square)
+    assert cached > 0 and misses == 0
+    assert hits_after >= 1 and misses_after == 0  # (one hit per chunk holding its rows)
+
+
+def test_without_the_encoder_cache_images_are_encoded_again(vlm):
+    """--disable-mm-preprocessor-cache: an image's rows live only while consecutive steps feed them
+    (the chunks of one prompt); the same image later is encoded again, with the same result."""
+    path, model, processor, _ = vlm
+    llm = LLM(model=path, disable_mm_preprocessor_cache=True, **engine_kwargs(enable_prefix_caching=False))
+    encoder = llm.llm_engine.runner.images
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = "Some words before the picture <image>"  # the image's rows at 27..69: two chunks
+    for names, misses, hits in ((["wide"], 1, 1), (["tall"], 2, 2), (["wide"], 3, 3)):
+        (out,) = llm.generate([_request(prompt, names)], params, use_tqdm=False)
+        assert list(out.outputs[0].token_ids) == _reference(model, processor, prompt, names, 6)[0]
+        assert (encoder.misses, encoder.hits) == (misses, hits), names
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        (
+            {"prompt": "no placeholder", "multi_modal_data": {"image": IMAGES["small"]}},
+            "0 <image> placeholder",
+        ),
+        (
+            {"prompt": "<image><image>", "multi_modal_data": {"image": [IMAGES["small"]]}},
+            "2 <image> placeholder",
+        ),
+        ({"prompt": "<image>", "multi_modal_data": {"image": "not an image"}}, "must be PIL images"),
+        ({"prompt": "<image>", "multi_modal_data": {"audio": [1.0]}}, "only 'image'"),
+        (
+            {"prompt_token_ids": [1, 2], "multi_modal_data": {"image": IMAGES["small"]}},
+            "0 <image> placeholder",
+        ),
+    ],
+)
+def test_bad_image_prompts_are_refused(vlm, prompt, message):
+    llm = vlm[3]
+    with pytest.raises(ValueError, match=message):
+        llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    (out,) = llm.generate(["still serving"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
+
+
+def test_a_prompt_of_token_ids_takes_images_too(vlm):
+    """The placeholder given as its token id: expanded the same as in a text prompt."""
+    llm = vlm[3]
+    prompt, names = CASES[1]
+    ids = llm.get_tokenizer().encode(prompt)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    by_text, by_ids = llm.generate(
+        [
+            _request(prompt, names),
+            {"prompt_token_ids": ids, "multi_modal_data": {"image": [IMAGES[n] for n in names]}},
+        ],
+        params,
+        use_tqdm=False,
+    )
+    assert by_ids.prompt_token_ids == by_text.prompt_token_ids
+    assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
