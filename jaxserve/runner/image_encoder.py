@@ -2,8 +2,8 @@
 hold image tokens, and its cache of encoded images.
 
 A step's rows name their images (ScheduledSeq.images, jaxserve/multimodal/images.py); those not in
-the cache are encoded together in one call (their tiles padded to a power of two: one program per
-bucket, not per image size), and each row gets its image rows as prompt-embedding rows at its
+the cache are encoded a tile at a time (one program, compiled at start-up, whatever the image's
+size), and each row gets its image rows as prompt-embedding rows at its
 image tokens (ScheduledSeq.prompt_embeds as (offsets, rows)), which the step feeds in place of the
 embedding table's. The rows stay in host memory, keyed by the image's digest, so the chunks of a
 long prompt, a preempted request's recompute and other requests with the same image encode it
@@ -30,17 +30,23 @@ if TYPE_CHECKING:
     from jaxserve.multimodal.images import ImageItem, ImageRows
 
 
-def _image_features(state: nnx.State, pixel_values: jax.Array, *, graphdef: nnx.GraphDef) -> jax.Array:
-    return nnx.merge(graphdef, state).image_features(pixel_values)
+def _tile_rows(state: nnx.State, tile: jax.Array, *, graphdef: nnx.GraphDef) -> jax.Array:
+    return nnx.merge(graphdef, state).image_features(tile[None])
 
 
 class ImageEncoder:
     def __init__(self, graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, cache_bytes: int):
         self._replicated = NamedSharding(mesh, PartitionSpec())
-        self._program = jax.jit(partial(_image_features, graphdef=graphdef), out_shardings=self._replicated)
+        self._program = jax.jit(partial(_tile_rows, graphdef=graphdef), out_shardings=self._replicated)
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self.hits = self.misses = 0  # images found in the cache / encoded
+        self._compiled: dict[tuple[int, ...], jax.stages.Compiled] = {}  # by tile shape
+
+    def compile(self, state: nnx.State, tile_shape: tuple[int, ...]) -> None:
+        """Compile the encoder for tiles of `tile_shape` (start-up: no request waits on it)."""
+        tile = jax.ShapeDtypeStruct(tile_shape, np.float32, sharding=self._replicated)
+        self._compiled[tuple(tile_shape)] = self._program.lower(state, tile).compile()
 
     def feed(self, state: nnx.State, sched: SchedulerOutput) -> SchedulerOutput:
         """The step with its rows' image rows as prompt-embedding rows, encoding what the cache
@@ -66,18 +72,21 @@ class ImageEncoder:
         return images.offsets, rows[images.first_row : images.first_row + len(images.offsets)]
 
     def _encode(self, state: nnx.State, items: list[ImageItem]) -> None:
-        tiles = np.concatenate([i.pixel_values for i in items])
-        bucket = 1 << (len(tiles) - 1).bit_length()
-        padded = np.zeros((bucket, *tiles.shape[1:]), np.float32)
-        padded[: len(tiles)] = tiles
-        out = self._program(state, jax.device_put(padded, self._replicated))
-        rows = np.asarray(out.addressable_shards[0].data)  # replicated: every device has all
-        per_tile = rows.shape[0] // bucket
+        """One call per tile (a tile is hundreds of patches through the whole encoder: the
+        calls' overhead is negligible beside it, and no padding tile is ever encoded), all
+        dispatched before the first result is read."""
+        program = self._compiled.get(items[0].pixel_values.shape[1:], self._program)
+        rows = [
+            program(state, jax.device_put(tile, self._replicated)) for i in items for tile in i.pixel_values
+        ]
         at = 0
         for item in items:
-            n = item.pixel_values.shape[0] * per_tile
-            self._cache[item.digest] = rows[at : at + n].copy()
-            at += n
+            tiles = rows[at : at + len(item.pixel_values)]
+            at += len(tiles)
+            # replicated: every device holds all of a tile's rows
+            self._cache[item.digest] = np.concatenate(
+                [np.asarray(r.addressable_shards[0].data) for r in tiles]
+            )
 
     def _evict(self, keep: dict) -> None:
         size = sum(r.nbytes for r in self._cache.values())

@@ -193,6 +193,8 @@ class ModelRunner:
             self._compile(bucket, self._pool)
             return
         self._compile(bucket)
+        if self.images is not None:  # any chunk of a prompt may hold image rows
+            self._compile(bucket, StepVariant(with_prompt_embeds=True))
         if self.layout.num_speculative_tokens:
             self._compile(bucket, StepVariant(kind="verify"))
 
@@ -201,6 +203,9 @@ class ModelRunner:
         (runner/bucket_compiles.py)."""
         if self.lora.keys:  # the program that writes adapters into slots (slot 0 is empty still)
             self.set_lora_slot(0, None)
+        if self.images is not None:  # tiles of the side the encoder was trained for
+            v = self.args.vision
+            self.images.compile(self.state, (v.num_channels, v.image_size, v.image_size))
         self.compiles.start()
 
     def stop_compiling(self) -> None:

@@ -166,3 +166,18 @@ def test_a_prompt_of_token_ids_takes_images_too(vlm):
     )
     assert by_ids.prompt_token_ids == by_text.prompt_token_ids
     assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
+
+
+def test_a_started_engine_compiles_nothing_for_images(vlm):
+    """Start-up compiles the encoder and each bucket's step with image rows: image requests of
+    several sizes, chunked and batched with text, then compile nothing."""
+    from reference_checks import compilations
+
+    path, model, processor, _ = vlm
+    kwargs = engine_kwargs(enforce_eager=False)
+    llm = LLM(model=path, **kwargs)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    with compilations() as compiles:
+        outs = llm.generate([_request(p, n) for p, n in CASES], params, use_tqdm=False)
+    assert compiles == []
+    assert list(outs[1].outputs[0].token_ids) == _reference(model, processor, *CASES[1], 3)[0]
