@@ -41,6 +41,8 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "kv_combined_heads": "model",  # the interleaved (k, v) head axis of the KV pool
     "head_dim": None,
     "lora_rank": "model",  # a LoRA factor's rank, split only with --fully-sharded-loras
+    "vision_heads": "model",  # a vision encoder's flattened heads (models/idefics3.py)
+    "vision_mlp": "model",  # its MLP's intermediate axis
 }
 
 # --enable-expert-parallel: whole experts per device instead of a slice of every expert.

@@ -72,6 +72,9 @@ def build_model_args(
         args = dataclasses.replace(args, kernel_formats=tuple(sorted(formats.items())))
     elif model_config.quantization not in (None, "gguf"):  # the layers' projections quantized at load
         args = dataclasses.replace(args, quantization=model_config.quantization)
+    vision = getattr(args, "vision", None)  # a vision encoder splits like the decoder where it can
+    if vision is not None and tp > 1 and not (vision.num_heads % tp or vision.intermediate_size % tp):
+        args = dataclasses.replace(args, vision=dataclasses.replace(vision, tp_split=True))
     moe = getattr(args, "moe", None)  # expert parallelism means something only to MoE models
     if moe is not None and parallel is not None and parallel.enable_expert_parallel:
         if moe.num_experts % tp:

@@ -39,6 +39,8 @@ class VisionArgs:
     hidden_act: str
     scale_factor: int  # the pixel shuffle's: scale_factor**2 patches become one token
     image_token_id: int
+    # heads and MLP split over the model axis (tensor parallel, when both divide); else whole
+    tp_split: bool = False
 
     @classmethod
     def from_hf(cls, hf: Mapping) -> VisionArgs:
@@ -100,35 +102,35 @@ def position_ids(v: VisionArgs, patches_per_side: int) -> np.ndarray:
     return (buckets[:, None] * v.patches_per_side + buckets[None, :]).reshape(-1).astype(np.int32)
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, init: str = "normal") -> nnx.Param:
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, init: str = "normal", axes=None) -> nnx.Param:
     if init == "ones":
         value = jnp.ones(shape, dtype)
     elif init == "zeros":
         value = jnp.zeros(shape, dtype)
     else:
         value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, logical_axes=(None,) * len(shape))
+    return nnx.Param(value, logical_axes=axes or (None,) * len(shape))
 
 
 class VisionTower(nnx.Module):
-    """The SigLIP encoder (layers stacked, run by one scan) and the connector's projection. Its
-    weights are whole on every device."""
+    """The SigLIP encoder (layers stacked, run by one scan) and the connector's projection. Under
+    tensor parallelism each device holds its share of the heads and of the MLP (when they split
+    evenly; else the whole encoder), and XLA partitions the encoder as the weights are split."""
 
     def __init__(self, v: VisionArgs, text_hidden: int, dtype, rngs: nnx.Rngs):
         n, d, m = v.num_layers, v.hidden_size, v.intermediate_size
+        heads, mlp = ("vision_heads", "vision_mlp") if v.tp_split else (None, None)
         self.patch_kernel = _param(rngs, (v.num_channels * v.patch_size**2, d), dtype)
         self.patch_bias = _param(rngs, (d,), dtype, "zeros")
         self.positions = _param(rngs, (v.patches_per_side**2, d), dtype)
-        for name, shape in (
-            ("q", (d, d)),
-            ("k", (d, d)),
-            ("v", (d, d)),
-            ("o", (d, d)),
-            ("fc1", (d, m)),
-            ("fc2", (m, d)),
-        ):
-            setattr(self, name + "_kernel", _param(rngs, (n, *shape), dtype))
-            setattr(self, name + "_bias", _param(rngs, (n, shape[1]), dtype, "zeros"))
+        # name: (shape, the split axis of its input, of its output)
+        kernels = {n_: ((d, d), None, heads) for n_ in "qkv"}
+        kernels |= {"o": ((d, d), heads, None), "fc1": ((d, m), None, mlp), "fc2": ((m, d), mlp, None)}
+        for name, (shape, split_in, split_out) in kernels.items():
+            setattr(
+                self, name + "_kernel", _param(rngs, (n, *shape), dtype, axes=(None, split_in, split_out))
+            )
+            setattr(self, name + "_bias", _param(rngs, (n, shape[1]), dtype, "zeros", (None, split_out)))
         for name in ("ln1", "ln2"):
             setattr(self, name + "_weight", _param(rngs, (n, d), dtype, "ones"))
             setattr(self, name + "_bias", _param(rngs, (n, d), dtype, "zeros"))
