@@ -241,6 +241,7 @@ def build_checkpoint(directory: str, shape: dict, tokenizer_gguf: str, seed: int
             json.dump(preprocessor, fh, indent=2)
         with open(os.path.join(tmp, "config.json"), "w") as fh:
             json.dump(config, fh, indent=2)
+        os.chmod(tmp, 0o755)
         os.replace(tmp, directory)
         os.makedirs(tmp)  # (for the context manager to remove)
     return directory

@@ -242,13 +242,19 @@ class LLM:
         tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's LLM.chat: each conversation through the chat template (with `tools` for the
-        template to show the model), then generate."""
+        template to show the model), then generate. Images come as content parts: OpenAI's
+        `image_url` (data:, file:// under --allowed-local-media-path, http(s)) or vLLM's
+        `image_pil` ({"type": "image_pil", "image_pil": a PIL image})."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer (skip_tokenizer_init is set).")
+        from jaxserve.multimodal.chat import load_images, split_images  # (Pillow: only for chat)
+        from jaxserve.multimodal.media import MediaLimits
+
         prompts = []
         for conversation in conversations:
+            conversation, images = split_images(conversation)
             ids = tokenizer.apply_chat_template(
                 conversation,
                 chat_template=chat_template,
@@ -260,7 +266,11 @@ class LLM:
             )
             if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
                 ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+            prompt = {"prompt_token_ids": list(ids)}
+            if images:
+                limits = MediaLimits(self.llm_engine.config.model_config.allowed_local_media_path)
+                prompt["multi_modal_data"] = {"image": load_images(images, limits)}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 

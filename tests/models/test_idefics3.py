@@ -181,3 +181,35 @@ def test_a_started_engine_compiles_nothing_for_images(vlm):
         outs = llm.generate([_request(p, n) for p, n in CASES], params, use_tqdm=False)
     assert compiles == []
     assert list(outs[1].outputs[0].token_ids) == _reference(model, processor, *CASES[1], 3)[0]
+
+
+def test_chat_takes_pil_images_and_image_urls(vlm, tmp_path):
+    """LLM.chat: an image_pil part and a data: URL of the same picture give the answer the same
+    conversation gets through transformers' template and processor."""
+    import base64
+    import io
+
+    _, model, processor, llm = vlm
+    buf = io.BytesIO()
+    IMAGES["wide"].save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    question = {"type": "text", "text": "What is it?"}
+    conversations = [
+        [{"role": "user", "content": [{"type": "image_pil", "image_pil": IMAGES["wide"]}, question]}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, question]}],
+    ]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = llm.chat(conversations, params, use_tqdm=False)
+    text = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, question]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    inputs = processor(text=[text], images=[[IMAGES["wide"]]], return_tensors="pt")
+    with torch.no_grad():
+        expected = model.generate(**inputs, max_new_tokens=6, do_sample=False)[
+            0, inputs["input_ids"].shape[1] :
+        ]
+    for out in outs:
+        assert list(out.prompt_token_ids) == inputs["input_ids"][0].tolist()
+        assert list(out.outputs[0].token_ids) == expected.tolist()

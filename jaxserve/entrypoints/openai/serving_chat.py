@@ -20,12 +20,12 @@ from jaxserve.entrypoints.openai.chat_prompt import chat_image_urls
 from jaxserve.entrypoints.openai.chat_reply import ChatReply
 from jaxserve.entrypoints.openai.chat_tools import reply_tool_parser, tool_choice_mode, tool_constraint
 from jaxserve.entrypoints.openai.logprobs import prompt_logprobs
-from jaxserve.entrypoints.openai.media import MediaLimits, load_image
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, bad_request, now
 from jaxserve.entrypoints.openai.serving_engine import OpenAIServing, Prompt
 from jaxserve.entrypoints.openai.sse import sse_response
 from jaxserve.entrypoints.openai.structured_outputs import structured_outputs_field, structured_outputs_params
 from jaxserve.multimodal.images import DEFAULT_LIMIT
+from jaxserve.multimodal.media import MediaLimits, load_image
 from jaxserve.outputs import RequestOutput
 from jaxserve.reasoning import get_reasoning_parser
 

@@ -1,4 +1,4 @@
-"""Image URLs of chat content parts (jaxserve.entrypoints.openai.media.load_image): data URLs,
+"""Image URLs of chat content parts (jaxserve.multimodal.media.load_image): data URLs,
 file:// under --allowed-local-media-path, and http(s) from a local aiohttp server, each decoded
 into the image that was encoded, and every bad URL a MediaError whose message says why."""
 
@@ -16,7 +16,7 @@ from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
 from PIL import Image
 
-from jaxserve.entrypoints.openai.media import MediaError, MediaLimits, load_image
+from jaxserve.multimodal.media import MediaError, MediaLimits, load_image
 
 LIMITS = MediaLimits()
 
