@@ -131,6 +131,9 @@ class ScheduledSeq(NamedTuple):
     # A prompt's image rows among this row's tokens (jaxserve/multimodal/images.py): the runner
     # encodes the images and feeds their rows like prompt embeddings; None for every other row.
     images: ImageRows | None = None
+    # M-RoPE models: the (time, height, width) positions of token_ids ([3, num_new] int32) when the
+    # request's prompt holds images; None: each token's sequence position three times
+    rope_positions: np.ndarray | None = None
 
     @property
     def num_new(self) -> int:

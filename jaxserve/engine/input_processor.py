@@ -60,9 +60,9 @@ class InputProcessor:
         mc = config.model_config
         self.image_prompts = None  # a vision-language model's (Pillow is imported for it only)
         if mc.is_multimodal:
-            from jaxserve.multimodal.images import ImagePrompts
+            from jaxserve.multimodal.images import image_prompts_for
 
-            self.image_prompts = ImagePrompts.for_model(
+            self.image_prompts = image_prompts_for(
                 mc.model, mc.hf_config, mc.mm_processor_kwargs, mc.limit_mm_per_prompt
             )
 

@@ -481,6 +481,7 @@ class Scheduler:
             len(drafts),
             None if req.prompt_embeds is None else _embeds_rows(req, start, end),
             None if req.images is None else req.images.rows_for(start, min(end, req.num_prompt_tokens)),
+            None if req.images is None or req.images.rope is None else req.images.rope_for(start, start + n),
         )
 
     def _cache_root(self, req: Request):

@@ -41,7 +41,16 @@ def rope_parameters(hf_config: Mapping, layer_type: str = "full_attention") -> d
             params.setdefault(key, hf_config[key])
     rope_type = params.get("rope_type") or params.get("type") or "default"
     params["rope_type"] = "longrope" if rope_type == "su" else rope_type  # early Phi-3 configs say "su"
+    if rope_type == "mrope":  # (older Qwen2-VL configs: default frequencies, in sections)
+        params["rope_type"] = "default"
     return params
+
+
+def mrope_rows(hf_config: Mapping) -> tuple[int, ...]:
+    """M-RoPE (Qwen2-VL): which of a token's three positions (time, height, width) each rotary
+    frequency turns by, from `mrope_section`; () for a one-position rope."""
+    section = rope_parameters(hf_config).get("mrope_section") or ()
+    return tuple(i % 3 for i, n in enumerate(section) for _ in range(n))
 
 
 def _original_max(params: Mapping, hf_config: Mapping) -> int:
@@ -163,7 +172,7 @@ def rope_attention_scaling(hf_config: Mapping) -> float:
 
 def apply_rope(
     x: jax.Array,  # [num_tokens, num_heads, head_dim]
-    positions: jax.Array,  # [num_tokens] int32
+    positions: jax.Array,  # [num_tokens] int32, or [num_tokens, rotary_dim // 2]: a position per frequency
     inv_freq: jax.Array,  # [rotary_dim // 2]: the first rotary_dim dims rotate (partial rotary)
     scaling: float = 1.0,  # rope_attention_scaling
 ) -> jax.Array:  # [num_tokens, num_heads, head_dim]
@@ -171,7 +180,8 @@ def apply_rope(
     if rotary_dim < x.shape[-1]:
         rotated = apply_rope(x[..., :rotary_dim], positions, inv_freq, scaling)
         return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [num_tokens, head_dim // 2]
+    positions = positions.astype(jnp.float32)
+    angles = (positions[:, None] if positions.ndim == 1 else positions) * inv_freq[None, :]
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]
     if scaling != 1.0:

@@ -56,6 +56,7 @@ class CausalLM(nnx.Module):
         meta: AttentionMetadata,
         lora_slots: jax.Array | None = None,  # [num_tokens] int32, each token's LoRA slot (-1: none)
         input_embeds: InputEmbeds | None = None,  # rows fed in place of the embedding table's
+        rope_positions: jax.Array | None = None,  # [3, num_tokens] int32, M-RoPE models only
     ) -> tuple[jax.Array, jax.Array]:  # ([num_tokens, hidden], before the final norm; kv_pool)
         raise NotImplementedError
 

@@ -185,6 +185,17 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         rows = jax.lax.map(lambda t: encode_tile(self.vision, self.args.vision, t), pixel_values)
         return rows.reshape(-1, rows.shape[-1])
 
+    def image_call(self, tile: jax.Array) -> jax.Array:
+        """The encoder's unit of work (runner/image_encoder.py): one tile [channels, side, side]
+        -> its [tokens_per_tile, hidden] rows."""
+        return encode_tile(self.vision, self.args.vision, tile)
+
+    @staticmethod
+    def image_call_shapes(args: Idefics3Args) -> list[tuple[jax.ShapeDtypeStruct, ...]]:
+        """The calls start-up compiles: a tile of the side the encoder was trained for."""
+        v = args.vision
+        return [(jax.ShapeDtypeStruct((v.num_channels, v.image_size, v.image_size), jnp.float32),)]
+
     @staticmethod
     def hf_weight_map(args: Idefics3Args) -> dict[str, tuple[str, int | tuple[int, int] | None, bool]]:
         table = LlamaForCausalLM.hf_weight_map(args)

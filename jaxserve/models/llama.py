@@ -89,6 +89,9 @@ class LlamaArgs:
     kernel_formats: tuple[tuple[str, str], ...] = ()
     # LoRA: the adapters' device slots (their count, rank, biases, sharding); None: no LoRA
     lora: LoRAConfig | None = None
+    # M-RoPE (Qwen2-VL): per rotary frequency, which of a token's (time, height, width) positions
+    # turns it (layers/rotary.py mrope_rows); () for one position per token
+    mrope_rows: tuple[int, ...] = ()
     num_labels: int = 0  # a sequence classifier's classes: its score head's outputs (0: none)
     # the score head is a reward model's: a hidden layer (ReLU) before it, both with biases
     reward_hidden_layer: bool = False
@@ -237,6 +240,7 @@ class LlamaForCausalLM(CausalLM):
         meta: AttentionMetadata,
         lora_slots: jax.Array | None = None,  # [num_tokens] int32, each token's LoRA slot (-1: none)
         input_embeds: InputEmbeds | None = None,  # rows fed in place of the embedding table's
+        rope_positions: jax.Array | None = None,  # [3, num_tokens] int32: M-RoPE's positions
     ) -> tuple[jax.Array, jax.Array]:  # ([num_tokens, hidden], before the final norm; kv_pool)
         a = self.args
         num_tokens = input_ids.shape[0]
@@ -307,7 +311,10 @@ class LlamaForCausalLM(CausalLM):
             x = x + (norm(out, w["mlp_out_norm"]) if a.sandwich_norms else out)
             return (x, kv_pool), None
 
-        shared = {"positions": positions, "lora": lora, "inv_freq": inv_freq}
+        rotary = positions  # M-RoPE: each frequency turns by one of the token's three positions
+        if a.mrope_rows:
+            rotary = jnp.take(rope_positions, jnp.asarray(a.mrope_rows), axis=0).T
+        shared = {"positions": rotary, "lora": lora, "inv_freq": inv_freq}
         return run_layers(layer, x, kv_pool, xs, whole, meta, shared)
 
     def final_hidden(self, x: jax.Array) -> jax.Array:

@@ -29,11 +29,13 @@ DEFAULT_LIMIT = 999
 
 @dataclass(frozen=True, eq=False)
 class ImageItem:
-    """One image as the encoder takes it."""
+    """One image as the encoder takes it: the model's `image_call` once per entry of `calls`
+    (Idefics3: a tile each; Qwen2-VL: the image's patches, padded to a bucket), its rows the first
+    `num_rows` of their outputs, concatenated."""
 
     digest: bytes  # sha256 of the image's mode, size and pixels and the processor's settings
-    pixel_values: np.ndarray  # [tiles, channels, side, side] float32
-    num_rows: int  # the rows the encoder makes of it: tiles * rows per tile
+    calls: tuple[tuple[np.ndarray, ...], ...]
+    num_rows: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,12 +54,31 @@ class RequestImages:
     positions: np.ndarray  # [rows of all items] int64: the prompt positions of the image tokens
     ends: np.ndarray  # [items] int64: the cumulative rows of the items
     digest: bytes  # of every item's digest in order: the root of the request's prefix-cache chain
+    # M-RoPE models: the prompt's [3, prompt length] (time, height, width) positions, and how far
+    # the positions after the prompt run ahead of the sequence's (transformers' rope delta)
+    rope: np.ndarray | None = None
+    rope_delta: int = 0
 
     @classmethod
-    def of(cls, items: Sequence[ImageItem], positions: np.ndarray) -> RequestImages:
+    def of(
+        cls,
+        items: Sequence[ImageItem],
+        positions: np.ndarray,
+        rope: np.ndarray | None = None,
+        rope_delta: int = 0,
+    ) -> RequestImages:
         digest = hashlib.sha256(b"".join(i.digest for i in items)).digest()
         ends = np.cumsum([i.num_rows for i in items])
-        return cls(tuple(items), positions, ends, digest)
+        return cls(tuple(items), positions, ends, digest, rope, rope_delta)
+
+    def rope_for(self, start: int, end: int) -> np.ndarray:
+        """[3, end - start] int32 M-RoPE positions of the tokens [start, end): the prompt's own,
+        then each later token's sequence position plus the delta, three times."""
+        out = np.empty((3, end - start), np.int32)
+        known = max(0, min(end, self.rope.shape[1]) - start)
+        out[:, :known] = self.rope[:, start : start + known]
+        out[:, known:] = np.arange(start + known, end) + self.rope_delta
+        return out
 
     def rows_for(self, start: int, end: int) -> ImageRows | None:
         """The image rows of the prompt's tokens [start, end), or None when they hold none."""
@@ -78,36 +99,14 @@ def _image_digest(image, settings: str) -> bytes:
 
 
 class ImagePrompts:
-    """A vision-language model's images into its prompts (Idefics3 / SmolVLM: each `<image>` in
-    the prompt becomes its tiles' placeholder tokens, as transformers' Idefics3Processor writes
-    them)."""
+    """A vision-language model's images into its prompts: each image's placeholder token in the
+    prompt becomes the image's tokens, as the model's transformers processor writes them (the
+    families below say how)."""
 
-    def __init__(
-        self, hf_config: Mapping, preprocessor_config: Mapping, overrides: Mapping | None, limit: int
-    ):
+    def __init__(self, hf_config: Mapping, limit: int):
         self.placeholder = image_placeholder(hf_config)
-        self.config = Idefics3ImageConfig.from_preprocessor_config(preprocessor_config, overrides)
-        vision = hf_config["vision_config"]
-        side = vision["image_size"] // vision["patch_size"]
-        self.rows_per_tile = side**2 // hf_config.get("scale_factor", 2) ** 2
         self.image_token_id = hf_config["image_token_id"]
         self.limit = limit
-        self._settings = repr(self.config)
-
-    @classmethod
-    def for_model(cls, model_dir: str, hf_config: Mapping, overrides: Mapping | None, limits: Mapping):
-        """The model's image prompts, or None for a model that takes no images."""
-        if "vision_config" not in hf_config:
-            return None
-        path = os.path.join(model_dir, "preprocessor_config.json")
-        try:
-            with open(path, encoding="utf-8") as f:
-                preprocessor = json.load(f)
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(
-                f"{path}: a vision-language model needs its image processor's config ({err})."
-            ) from err
-        return cls(hf_config, preprocessor, overrides, int(limits.get("image", DEFAULT_LIMIT)))
 
     def expand(
         self, token_ids: Sequence[int], images: Sequence, tokenizer
@@ -127,13 +126,12 @@ class ImagePrompts:
                 f"The prompt has {len(at)} {self.placeholder} placeholder(s) for {len(images)} image(s): "
                 f"put one {self.placeholder} where each image goes."
             )
-        items, out, start = [], [], 0
+        items, grids, out, start = [], [], [], 0
         for image, where in zip(images, at, strict=True):
-            processed = process_image(image, self.config)
-            rows = processed.pixel_values.shape[0] * self.rows_per_tile
-            items.append(ImageItem(_image_digest(image, self._settings), processed.pixel_values, rows))
-            text = image_prompt(processed.rows, processed.cols, self.rows_per_tile)
-            out += [*token_ids[start:where], *tokenizer.encode(text, add_special_tokens=False)]
+            item, tokens, grid = self._image(image, tokenizer)
+            items.append(item)
+            grids.append(grid)
+            out += [*token_ids[start:where], *tokens]
             start = where + 1
         out += token_ids[start:]
         positions = np.flatnonzero(np.asarray(out) == self.image_token_id)
@@ -141,4 +139,57 @@ class ImagePrompts:
             raise ValueError(
                 f"The tokenizer does not keep {self.placeholder} whole: it is not one special token."
             )
-        return out, RequestImages.of(items, positions)
+        return out, RequestImages.of(items, positions, *self._rope(out, grids))
+
+    def _image(self, image, tokenizer) -> tuple[ImageItem, list[int], object]:
+        """(the image processed, the tokens that stand for it, what _rope needs of it)."""
+        raise NotImplementedError
+
+    def _rope(self, token_ids: list[int], grids: list) -> tuple[np.ndarray | None, int]:
+        """M-RoPE positions of the prompt and their delta; (None, 0) for a one-position rope."""
+        return None, 0
+
+
+class Idefics3Prompts(ImagePrompts):
+    """Idefics3 / SmolVLM: `<image>` becomes the image's tiles, each `<image>` x rows-per-tile
+    between its row/column tags, and the global image last (Idefics3Processor's text)."""
+
+    def __init__(
+        self, hf_config: Mapping, preprocessor_config: Mapping, overrides: Mapping | None, limit: int
+    ):
+        super().__init__(hf_config, limit)
+        self.config = Idefics3ImageConfig.from_preprocessor_config(preprocessor_config, overrides)
+        vision = hf_config["vision_config"]
+        side = vision["image_size"] // vision["patch_size"]
+        self.rows_per_tile = side**2 // hf_config.get("scale_factor", 2) ** 2
+        self._settings = repr(self.config)
+
+    def _image(self, image, tokenizer):
+        processed = process_image(image, self.config)
+        tiles = processed.pixel_values
+        item = ImageItem(
+            _image_digest(image, self._settings), tuple((t,) for t in tiles), len(tiles) * self.rows_per_tile
+        )
+        text = image_prompt(processed.rows, processed.cols, self.rows_per_tile)
+        return item, tokenizer.encode(text, add_special_tokens=False), None
+
+
+_FAMILIES = {"Idefics3ForConditionalGeneration": Idefics3Prompts}
+
+
+def image_prompts_for(
+    model_dir: str, hf_config: Mapping, overrides: Mapping | None, limits: Mapping
+) -> ImagePrompts | None:
+    """The model's image prompts, or None for a model that takes no images."""
+    family = next((_FAMILIES[a] for a in hf_config.get("architectures") or () if a in _FAMILIES), None)
+    if family is None:
+        return None
+    path = os.path.join(model_dir, "preprocessor_config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            preprocessor = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(
+            f"{path}: a vision-language model needs its image processor's config ({err})."
+        ) from err
+    return family(hf_config, preprocessor, overrides, int(limits.get("image", DEFAULT_LIMIT)))

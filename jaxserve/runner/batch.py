@@ -62,6 +62,9 @@ class BatchInputs:
     cu_num_logits: np.ndarray | None = None
     # Prompts given as embeddings: their rows at their tokens' places; None when no row has any
     input_embeds: InputEmbeds | None = None
+    # [3, num_tokens] int32, an M-RoPE model's (time, height, width) positions of each token; None
+    # for every other model
+    rope_positions: np.ndarray | None = None
 
 
 class _Ragged(NamedTuple):
@@ -97,6 +100,7 @@ def prepare(
     kv_scales: np.ndarray | None = None,  # [num_layers, 2] float32, a quantized pool's (AttentionMetadata)
     with_lora: bool = False,  # the model has LoRA slots: each token's slot goes with the batch
     logits_per_seq: int = 1,  # > 1: the verify layout, up to this many logits rows per sequence
+    mrope: bool = False,  # the model's rope takes three positions a token (BatchInputs.rope_positions)
 ) -> BatchInputs:
     """The step's arrays: tokens and attention metadata, sampling rows, and the per-token extras.
     Every row field is gathered by C-level iteration (no Python loop over the rows)."""
@@ -134,6 +138,7 @@ def prepare(
         feed_rows=_feed_rows(seqs, ragged, num_tokens),
         lora_slots=lora_slots,
         input_embeds=_input_embeds(list(map(_PROMPT_EMBEDS, seqs)), ragged, num_tokens),
+        rope_positions=_rope_positions(seqs, ragged, positions) if mrope else None,
     )
     if logits_per_seq > 1:
         return _verify_layout(inputs, seqs, ragged, min(num_tokens, num_seqs * logits_per_seq))
@@ -284,6 +289,16 @@ def _input_embeds(all_embeds: list, ragged: _Ragged, num_tokens: int) -> InputEm
         rows[where] = e[1] if isinstance(e, tuple) else e
         mask[where] = 1
     return InputEmbeds(rows, mask)
+
+
+def _rope_positions(seqs, ragged: _Ragged, positions: np.ndarray) -> np.ndarray:
+    """[3, token bucket] int32: a token's sequence position three times, but for the rows whose
+    prompt holds images (ScheduledSeq.rope_positions)."""
+    out = np.broadcast_to(positions, (3, positions.shape[0])).copy()
+    for i, s in enumerate(seqs):
+        if s.rope_positions is not None:
+            out[:, ragged.cu[i] : ragged.cu[i + 1]] = s.rope_positions
+    return out
 
 
 def _feed_rows(seqs, ragged: _Ragged, num_tokens: int) -> np.ndarray:

@@ -2,8 +2,9 @@
 hold image tokens, and its cache of encoded images.
 
 A step's rows name their images (ScheduledSeq.images, jaxserve/multimodal/images.py); those not in
-the cache are encoded a tile at a time (one program, compiled at start-up, whatever the image's
-size), and each row gets its image rows as prompt-embedding rows at its
+the cache are encoded by the model's `image_call` (Idefics3: once per tile, one program whatever
+the image's size; Qwen2-VL: once per image, its patches padded to a power of two), compiled at
+start-up, and each row gets its image rows as prompt-embedding rows at its
 image tokens (ScheduledSeq.prompt_embeds as (offsets, rows)), which the step feeds in place of the
 embedding table's. The rows stay in host memory, keyed by the image's digest, so the chunks of a
 long prompt, a preempted request's recompute and other requests with the same image encode it
@@ -30,23 +31,26 @@ if TYPE_CHECKING:
     from jaxserve.multimodal.images import ImageItem, ImageRows
 
 
-def _tile_rows(state: nnx.State, tile: jax.Array, *, graphdef: nnx.GraphDef) -> jax.Array:
-    return nnx.merge(graphdef, state).image_features(tile[None])
+def _call_rows(state: nnx.State, *args: jax.Array, graphdef: nnx.GraphDef) -> jax.Array:
+    return nnx.merge(graphdef, state).image_call(*args)
 
 
 class ImageEncoder:
     def __init__(self, graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, cache_bytes: int):
         self._replicated = NamedSharding(mesh, PartitionSpec())
-        self._program = jax.jit(partial(_tile_rows, graphdef=graphdef), out_shardings=self._replicated)
+        self._program = jax.jit(partial(_call_rows, graphdef=graphdef), out_shardings=self._replicated)
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self.hits = self.misses = 0  # images found in the cache / encoded
-        self._compiled: dict[tuple[int, ...], jax.stages.Compiled] = {}  # by tile shape
+        # compiled calls by their arguments' shapes
+        self._compiled: dict[tuple[tuple[int, ...], ...], jax.stages.Compiled] = {}
 
-    def compile(self, state: nnx.State, tile_shape: tuple[int, ...]) -> None:
-        """Compile the encoder for tiles of `tile_shape` (start-up: no request waits on it)."""
-        tile = jax.ShapeDtypeStruct(tile_shape, np.float32, sharding=self._replicated)
-        self._compiled[tuple(tile_shape)] = self._program.lower(state, tile).compile()
+    def compile(self, state: nnx.State, call_shapes: list[tuple[jax.ShapeDtypeStruct, ...]]) -> None:
+        """Compile the encoder's calls of these argument shapes (start-up: no request waits on
+        them; a call of another shape compiles when first made)."""
+        for shapes in call_shapes:
+            args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated) for x in shapes]
+            self._compiled[tuple(x.shape for x in shapes)] = self._program.lower(state, *args).compile()
 
     def feed(self, state: nnx.State, sched: SchedulerOutput) -> SchedulerOutput:
         """The step with its rows' image rows as prompt-embedding rows, encoding what the cache
@@ -72,21 +76,16 @@ class ImageEncoder:
         return images.offsets, rows[images.first_row : images.first_row + len(images.offsets)]
 
     def _encode(self, state: nnx.State, items: list[ImageItem]) -> None:
-        """One call per tile (a tile is hundreds of patches through the whole encoder: the
-        calls' overhead is negligible beside it, and no padding tile is ever encoded), all
-        dispatched before the first result is read."""
-        program = self._compiled.get(items[0].pixel_values.shape[1:], self._program)
-        rows = [
-            program(state, jax.device_put(tile, self._replicated)) for i in items for tile in i.pixel_values
-        ]
-        at = 0
-        for item in items:
-            tiles = rows[at : at + len(item.pixel_values)]
-            at += len(tiles)
-            # replicated: every device holds all of a tile's rows
-            self._cache[item.digest] = np.concatenate(
-                [np.asarray(r.addressable_shards[0].data) for r in tiles]
-            )
+        """Every call of every item dispatched before the first result is read."""
+        outs = [[self._call(state, args) for args in item.calls] for item in items]
+        for item, rows in zip(items, outs, strict=True):
+            # replicated: every device holds all of a call's rows
+            rows = np.concatenate([np.asarray(r.addressable_shards[0].data) for r in rows])
+            self._cache[item.digest] = rows[: item.num_rows].copy()
+
+    def _call(self, state: nnx.State, args: tuple[np.ndarray, ...]) -> jax.Array:
+        program = self._compiled.get(tuple(a.shape for a in args), self._program)
+        return program(state, *(jax.device_put(a, self._replicated) for a in args))
 
     def _evict(self, keep: dict) -> None:
         size = sum(r.nbytes for r in self._cache.values())

@@ -88,6 +88,7 @@ class ModelRunner:
             config.compilation_config.cache_dir, self.mesh
         )
         entry, self.args = build_model_args(config.model_config, config.parallel_config, config.lora_config)
+        self._model_cls = entry.model_cls
         self._model_name = f"{entry.model_cls.__module__}.{entry.model_cls.__qualname__}"
         self._load_weights(entry)
         self._plan_layout()
@@ -203,9 +204,8 @@ class ModelRunner:
         (runner/bucket_compiles.py)."""
         if self.lora.keys:  # the program that writes adapters into slots (slot 0 is empty still)
             self.set_lora_slot(0, None)
-        if self.images is not None:  # tiles of the side the encoder was trained for
-            v = self.args.vision
-            self.images.compile(self.state, (v.num_channels, v.image_size, v.image_size))
+        if self.images is not None:
+            self.images.compile(self.state, self._model_cls.image_call_shapes(self.args))
         self.compiles.start()
 
     def stop_compiling(self) -> None:

@@ -140,6 +140,8 @@ def forward(
     extra = {} if inputs.lora_slots is None else {"lora_slots": inputs.lora_slots}
     if variant.with_prompt_embeds:
         extra["input_embeds"] = inputs.input_embeds
+    if inputs.rope_positions is not None:
+        extra["rope_positions"] = inputs.rope_positions
     hidden, kv_pool = model.hidden_states(fed, inputs.positions, kv_pool, inputs.meta, **extra)
     logits = model.compute_logits(hidden[inputs.logits_indices])
     prompt = None

@@ -61,6 +61,7 @@ class StepLayout:
     with_lora: bool  # the model has LoRA slots
     num_speculative_tokens: int = 0  # most proposed tokens a sequence is fed (the verify layout)
     embeds_width: int = 0  # the rows of prompts given as embeddings (0: the engine takes none)
+    mrope: bool = False  # the model's rope takes three positions a token (M-RoPE)
 
     @classmethod
     def plan(cls, config: EngineConfig, args, mesh, with_lora: bool, memory_stats=None) -> StepLayout:
@@ -100,6 +101,7 @@ class StepLayout:
             if config.speculative_config
             else 0,
             embeds_width=embedding_width(mc.hf_config) if mc.enable_prompt_embeds or mc.is_multimodal else 0,
+            mrope=bool(getattr(args, "mrope_rows", ())),
         )
 
     @property
@@ -122,6 +124,7 @@ class StepLayout:
             self.kv_scales if kv_scales is None else kv_scales,
             self.with_lora,
             self.num_speculative_tokens + 1 if verify else 1,
+            self.mrope,
         )
 
 

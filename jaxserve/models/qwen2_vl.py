@@ -1,0 +1,228 @@
+"""Qwen2-VL's vision encoder: a ViT over 14x14 (x2 frames) patches with an axial 2D rotary
+embedding, full attention within one image, then a patch merger that turns each 2x2 block of
+neighbouring patches into one row in the text embedding space.
+
+The image processor emits an image's patches block-major (the patches of one merge block are
+consecutive), with `vision_positions` giving each one's (h, w) index. `encode_image` takes one
+image's patches padded to a bucket of N rows; the rows past `num_valid` are zeroed and masked out
+of attention as keys, so the padding never changes the real rows' result.
+
+Checkpoint tensors are under `visual.` (transformers keeps that prefix when it saves, though its
+module is `model.visual`). The fused qkv projection is split into q, k and v at load
+(`split_vision_tensor`), so that tensor parallelism splits each of them by heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.layers.activation import ACTIVATIONS
+from jaxserve.layers.rotary import apply_rope
+from jaxserve.models.idefics3 import _param
+from jaxserve.models.opt import layer_norm
+
+# transformers' QuickGELUActivation (Qwen2-VL's vision MLP) beside the shared activations
+_ACTIVATIONS = ACTIVATIONS | {"quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x)}
+_EPS = 1e-6  # every LayerNorm of the encoder and the merger
+
+
+@dataclass(frozen=True)
+class Qwen2VLVisionArgs:
+    embed_dim: int
+    depth: int
+    num_heads: int
+    intermediate_size: int  # embed_dim * mlp_ratio
+    patch_size: int
+    temporal_patch_size: int
+    in_channels: int
+    spatial_merge_size: int
+    hidden_act: str
+    rope_theta: float
+    out_hidden: int  # the merger's output: the text model's hidden size
+    image_token_id: int
+    # heads and MLP split over the model axis (tensor parallel, when both divide); else whole
+    tp_split: bool = False
+
+    @classmethod
+    def from_hf(cls, hf: Mapping) -> Qwen2VLVisionArgs:
+        """From the top-level config: vision_config, and the text hidden size (vision_config's
+        hidden_size, which the merger projects to; else text_config's or the flattened top level's)."""
+        v = hf["vision_config"]
+        text = hf.get("text_config") or {}
+        out_hidden = v.get("hidden_size") or text.get("hidden_size") or hf["hidden_size"]
+        rope = v.get("rope_parameters") or {}
+        return cls(
+            embed_dim=v["embed_dim"],
+            depth=v["depth"],
+            num_heads=v["num_heads"],
+            intermediate_size=int(v["embed_dim"] * v.get("mlp_ratio", 4)),
+            patch_size=v.get("patch_size", 14),
+            temporal_patch_size=v.get("temporal_patch_size", 2),
+            in_channels=v.get("in_channels", v.get("in_chans", 3)),  # older configs: in_chans
+            spatial_merge_size=v.get("spatial_merge_size", 2),
+            hidden_act=v.get("hidden_act", "quick_gelu"),
+            rope_theta=float(rope.get("rope_theta", v.get("rope_theta", 10000.0))),
+            out_hidden=out_hidden,
+            image_token_id=hf.get("image_token_id", text.get("image_token_id", 151655)),
+        )
+
+    @property
+    def patch_dim(self) -> int:
+        """One patch's values: channels x frames x patch x patch, as the processor flattens it."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def merge_dim(self) -> int:
+        """The merger's input: one merge block's patches side by side."""
+        return self.embed_dim * self.spatial_merge_size**2
+
+
+def vision_positions(grid_hw: tuple[int, int], merge: int) -> np.ndarray:
+    """[h * w, 2] int32: each patch's (row, column) in the processor's block-major order (the
+    merge x merge patches of a block consecutive, blocks row by row), as transformers'
+    get_vision_position_ids for one frame."""
+    h, w = grid_hw
+    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    blocks = [
+        a.reshape(h // merge, merge, w // merge, merge).transpose(0, 2, 1, 3).reshape(-1)
+        for a in (rows, cols)
+    ]
+    return np.stack(blocks, axis=-1).astype(np.int32)
+
+
+class Qwen2VisionTower(nnx.Module):
+    """The patch embedding, the blocks (stacked, run by one scan) and the patch merger. Under
+    tensor parallelism each device holds its share of the heads and of the MLP (when they split
+    evenly; else the whole encoder); the merger is whole on each device."""
+
+    def __init__(self, v: Qwen2VLVisionArgs, dtype, rngs: nnx.Rngs):
+        n, d, m = v.depth, v.embed_dim, v.intermediate_size
+        heads, mlp = ("vision_heads", "vision_mlp") if v.tp_split else (None, None)
+        self.patch_kernel = _param(rngs, (v.patch_dim, d), dtype)
+        # name: (shape, the split axis of its input, of its output)
+        kernels = {n_: ((d, d), None, heads) for n_ in "qkv"}
+        kernels |= {"o": ((d, d), heads, None), "fc1": ((d, m), None, mlp), "fc2": ((m, d), mlp, None)}
+        for name, (shape, split_in, split_out) in kernels.items():
+            setattr(
+                self, name + "_kernel", _param(rngs, (n, *shape), dtype, axes=(None, split_in, split_out))
+            )
+            setattr(self, name + "_bias", _param(rngs, (n, shape[1]), dtype, "zeros", (None, split_out)))
+        for name in ("ln1", "ln2"):
+            setattr(self, name + "_weight", _param(rngs, (n, d), dtype, "ones"))
+            setattr(self, name + "_bias", _param(rngs, (n, d), dtype, "zeros"))
+        self.merger_ln_weight = _param(rngs, (d,), dtype, "ones")
+        self.merger_ln_bias = _param(rngs, (d,), dtype, "zeros")
+        self.merger_fc1_kernel = _param(rngs, (v.merge_dim, v.merge_dim), dtype)
+        self.merger_fc1_bias = _param(rngs, (v.merge_dim,), dtype, "zeros")
+        self.merger_fc2_kernel = _param(rngs, (v.merge_dim, v.out_hidden), dtype)
+        self.merger_fc2_bias = _param(rngs, (v.out_hidden,), dtype, "zeros")
+
+    def stacked(self) -> dict[str, jax.Array]:
+        names = [f"{p}_{s}" for p in ("q", "k", "v", "o", "fc1", "fc2") for s in ("kernel", "bias")]
+        names += [f"{p}_{s}" for p in ("ln1", "ln2") for s in ("weight", "bias")]
+        return {name: getattr(self, name).value for name in names}
+
+
+def _rope_tables(v: Qwen2VLVisionArgs, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[N, head_dim // 2] float32 positions per frequency and [head_dim // 2] frequencies for
+    apply_rope: the first quarter of the head's frequencies turn with the row, the second with
+    the column (the same head_dim // 4 frequencies for each), as Qwen2VLVisionRotaryEmbedding."""
+    quarter = v.head_dim // 4
+    inv_freq = 1.0 / (v.rope_theta ** (np.arange(0, 2 * quarter, 2, dtype=np.float32) / (2 * quarter)))
+    inv_freq = jnp.asarray(np.concatenate([inv_freq, inv_freq]).astype(np.float32))
+    per_freq = jnp.repeat(positions.astype(jnp.float32), quarter, axis=-1)  # [N, 2 * quarter]: h.., w..
+    return per_freq, inv_freq
+
+
+def _merge(tower: Qwen2VisionTower, v: Qwen2VLVisionArgs, x: jax.Array) -> jax.Array:
+    """PatchMerger: LayerNorm, each merge block's patches side by side, Linear, exact GELU, Linear."""
+    x = layer_norm(x, tower.merger_ln_weight.value, tower.merger_ln_bias.value, _EPS)
+    x = x.reshape(-1, v.merge_dim)
+    h = jax.nn.gelu(x @ tower.merger_fc1_kernel.value + tower.merger_fc1_bias.value, approximate=False)
+    out = jnp.dot(h, tower.merger_fc2_kernel.value, preferred_element_type=jnp.float32)
+    return out + tower.merger_fc2_bias.value.astype(jnp.float32)
+
+
+def encode_image(
+    tower: Qwen2VisionTower,
+    v: Qwen2VLVisionArgs,
+    patches: jax.Array,
+    positions: jax.Array,
+    num_valid: jax.Array,
+) -> jax.Array:
+    """patches [N, patch_dim] (N a multiple of merge**2; rows past num_valid are padding),
+    positions [N, 2] int32 -> [N // merge**2, out_hidden] float32, transformers' pooler_output
+    for the image's num_valid patches in the first num_valid // merge**2 rows (the rest zero)."""
+    dtype = tower.patch_kernel.value.dtype
+    n, heads, head_dim = patches.shape[0], v.num_heads, v.head_dim
+    valid = jnp.arange(n) < num_valid
+    patches = jnp.where(valid[:, None], patches, 0).astype(dtype)
+    x = patches @ tower.patch_kernel.value
+    per_freq, inv_freq = _rope_tables(v, positions)
+    act = _ACTIVATIONS[v.hidden_act]
+
+    def layer(x, w):
+        h = layer_norm(x, w["ln1_weight"], w["ln1_bias"], _EPS)
+        q, k, val = ((h @ w[f"{p}_kernel"] + w[f"{p}_bias"]).reshape(n, heads, head_dim) for p in "qkv")
+        q, k = apply_rope(q, per_freq, inv_freq), apply_rope(k, per_freq, inv_freq)
+        scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * head_dim**-0.5
+        scores = jnp.where(valid[None, None, :], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        attn = jnp.einsum("hqk,khd->qhd", probs, val).reshape(x.shape)
+        x = x + attn @ w["o_kernel"] + w["o_bias"]
+        h = layer_norm(x, w["ln2_weight"], w["ln2_bias"], _EPS)
+        return x + act(h @ w["fc1_kernel"] + w["fc1_bias"]) @ w["fc2_kernel"] + w["fc2_bias"], None
+
+    x, _ = jax.lax.scan(layer, x, tower.stacked())
+    out = _merge(tower, v, x)
+    rows_valid = jnp.arange(out.shape[0]) < num_valid // v.spatial_merge_size**2
+    return jnp.where(rows_valid[:, None], out, 0.0)
+
+
+def vision_weight_map(
+    v: Qwen2VLVisionArgs, prefix: str = "visual.", ours: str = "vision."
+) -> dict[str, tuple[str, int | None, bool]]:
+    """The checkpoint's vision tensors (after split_vision_tensor) -> (our parameter path, layer
+    index or None, transpose)."""
+    table = {
+        prefix + "patch_embed.proj.weight": (ours + "patch_kernel", None, True),
+        prefix + "merger.ln_q.weight": (ours + "merger_ln_weight", None, False),
+        prefix + "merger.ln_q.bias": (ours + "merger_ln_bias", None, False),
+    }
+    for hf, name in (("mlp.0", "merger_fc1"), ("mlp.2", "merger_fc2")):
+        table[f"{prefix}merger.{hf}.weight"] = (f"{ours}{name}_kernel", None, True)
+        table[f"{prefix}merger.{hf}.bias"] = (f"{ours}{name}_bias", None, False)
+    per_layer = {f"attn.{p}": p for p in "qkv"} | {"attn.proj": "o", "mlp.fc1": "fc1", "mlp.fc2": "fc2"}
+    for i in range(v.depth):
+        block = f"{prefix}blocks.{i}."
+        for hf, name in per_layer.items():
+            table[block + hf + ".weight"] = (f"{ours}{name}_kernel", i, True)
+            table[block + hf + ".bias"] = (f"{ours}{name}_bias", i, False)
+        for n in ("1", "2"):
+            table[f"{block}norm{n}.weight"] = (f"{ours}ln{n}_weight", i, False)
+            table[f"{block}norm{n}.bias"] = (f"{ours}ln{n}_bias", i, False)
+    return table
+
+
+def split_vision_tensor(name: str, tensor) -> Iterator[tuple[str, np.ndarray]]:
+    """A checkpoint tensor as vision_weight_map names it: the Conv3d patch kernel as the matmul it
+    is ([embed, channels * frames * patch * patch]); the fused qkv weight and bias as three
+    tensors, `attn.q`, `attn.k` and `attn.v`. Every other tensor as it is."""
+    if name.endswith("patch_embed.proj.weight"):
+        yield name, np.asarray(tensor).reshape(tensor.shape[0], -1)
+    elif name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+        base, kind = name.rsplit(".qkv.", 1)
+        for part, value in zip("qkv", np.split(np.asarray(tensor), 3, axis=0), strict=True):
+            yield f"{base}.{part}.{kind}", value
+    else:
+        yield name, tensor
