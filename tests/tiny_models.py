@@ -190,10 +190,19 @@ IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<
 ]
 
 
-def make_idefics3_checkpoint(path, seed: int = 0, dtype: str = "float32"):
-    """Save a tiny random Idefics3ForConditionalGeneration with a tokenizer that knows the image
-    tokens, SmolVLM's chat template and the image processor's config; return (the torch model,
-    transformers' processor for it)."""
+def make_idefics3_checkpoint(
+    path,
+    seed: int = 0,
+    dtype: str = "float32",
+    text: dict | None = None,
+    vision: dict | None = None,
+    preprocessor: dict | None = None,
+    scale_factor: int = 2,
+):
+    """Save a random Idefics3ForConditionalGeneration (tiny unless `text`, `vision` and
+    `preprocessor` override its shapes) with a tokenizer that knows the image tokens, SmolVLM's
+    chat template and the image processor's config; return (the torch model, transformers'
+    processor for it)."""
     import json
 
     import torch
@@ -203,12 +212,19 @@ def make_idefics3_checkpoint(path, seed: int = 0, dtype: str = "float32"):
     tokenizer = make_tokenizer(512)
     tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
     tokenizer.chat_template = SMOLVLM_CHAT_TEMPLATE
-    text = {**TINY_LLAMA, "vocab_size": -(-len(tokenizer) // 8) * 8, "max_position_embeddings": 1024}
+    text = {
+        **TINY_LLAMA,
+        "vocab_size": -(-len(tokenizer) // 8) * 8,
+        "max_position_embeddings": 1024,
+        **(text or {}),
+    }
+    vision = {**TINY_IDEFICS3_VISION, **(vision or {})}
+    preprocessor = {**TINY_IDEFICS3_PREPROCESSOR, **(preprocessor or {})}
     torch.manual_seed(seed)
     config = transformers.Idefics3Config(
         text_config=text,
-        vision_config=TINY_IDEFICS3_VISION,
-        scale_factor=2,
+        vision_config=vision,
+        scale_factor=scale_factor,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
     )
     model = transformers.Idefics3ForConditionalGeneration(config).eval()
@@ -221,10 +237,11 @@ def make_idefics3_checkpoint(path, seed: int = 0, dtype: str = "float32"):
     model.to(getattr(torch, dtype)).save_pretrained(path)
     tokenizer.save_pretrained(path)
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
-        json.dump(TINY_IDEFICS3_PREPROCESSOR, f)
-    settings = {k: v for k, v in TINY_IDEFICS3_PREPROCESSOR.items() if k != "image_processor_type"}
+        json.dump(preprocessor, f)
+    settings = {k: v for k, v in preprocessor.items() if k != "image_processor_type"}
+    seq_len = (vision["image_size"] // vision["patch_size"]) ** 2 // scale_factor**2
     processor = transformers.Idefics3Processor(
-        image_processor=Idefics3ImageProcessorPil(**settings), tokenizer=tokenizer, image_seq_len=4
+        image_processor=Idefics3ImageProcessorPil(**settings), tokenizer=tokenizer, image_seq_len=seq_len
     )
     return model, processor
 
