@@ -246,6 +246,86 @@ def make_idefics3_checkpoint(
     return model, processor
 
 
+# Qwen2's chat template, images as the vision start, pad and end tokens
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN2_VL_TOKENS = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+# A tiny Qwen2-VL: 4x4 patches of 2 frames, 2x2 merged, a 2-layer ViT 32 wide; images resized to
+# multiples of 8 between 64 and 4096 pixels (up to 256 patches, 64 image tokens)
+TINY_QWEN2_VL_VISION = dict(
+    embed_dim=32, depth=2, num_heads=2, mlp_ratio=2, patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+    in_channels=3, hidden_size=64,
+)  # fmt: skip
+TINY_QWEN2_VL_PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "min_pixels": 64,
+    "max_pixels": 4096,
+    "patch_size": 4,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "resample": 3,
+    "rescale_factor": 1 / 255,
+}
+
+
+def make_qwen2_vl_checkpoint(path, seed: int = 0):
+    """Save a tiny random Qwen2VLForConditionalGeneration (M-RoPE sections 2, 3, 3 of its 8
+    frequencies) with a tokenizer that knows the vision tokens, a Qwen2-style chat template and
+    the image processor's config; return (the torch model, transformers' image processor)."""
+    import json
+
+    import torch
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = make_tokenizer(512)
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN2_VL_TOKENS})
+    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_TOKENS}
+    text = {
+        **TINY_LLAMA,
+        "vocab_size": -(-len(tokenizer) // 8) * 8,
+        "max_position_embeddings": 1024,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    }
+    torch.manual_seed(seed)
+    config = transformers.Qwen2VLConfig(
+        text_config=text,
+        vision_config=TINY_QWEN2_VL_VISION,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 0.08)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
+        json.dump(TINY_QWEN2_VL_PREPROCESSOR, f)
+    settings = {k: v for k, v in TINY_QWEN2_VL_PREPROCESSOR.items() if k != "image_processor_type"}
+    return model, Qwen2VLImageProcessorPil(**settings)
+
+
 def make_llama_checkpoint(path, variant: str = "gqa", dtype: str = "float32", seed: int = 0):
     """Save a tiny random LlamaForCausalLM with its tokenizer; return the torch model."""
     return make_checkpoint(path, "LlamaConfig", "LlamaForCausalLM", LLAMA_VARIANTS[variant], dtype, seed)

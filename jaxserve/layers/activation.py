@@ -18,4 +18,5 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": _tanh_gelu,
     "silu": jax.nn.silu,
     "swish": jax.nn.silu,
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),  # (Qwen2-VL's vision MLP)
 }

@@ -1,9 +1,14 @@
-"""Qwen2-VL's vision encoder: a ViT over 14x14 (x2 frames) patches with an axial 2D rotary
+"""Qwen2-VL: a vision encoder before the Qwen2 decoder, whose rope turns each frequency by one of
+a token's three positions (M-RoPE: time, height, width; an image's tokens take their grid's, text
+the same position three times; layers/rotary.py mrope_rows). The decoder is LlamaForCausalLM with
+Qwen2's switches and the sections; the encoder is below.
+
+The vision encoder: a ViT over 14x14 (x2 frames) patches with an axial 2D rotary
 embedding, full attention within one image, then a patch merger that turns each 2x2 block of
 neighbouring patches into one row in the text embedding space.
 
 The image processor emits an image's patches block-major (the patches of one merge block are
-consecutive), with `vision_positions` giving each one's (h, w) index. `encode_image` takes one
+consecutive), with `jaxserve.multimodal.vision_positions` giving each one's (h, w) index. `encode_image` takes one
 image's patches padded to a bucket of N rows; the rows past `num_valid` are zeroed and masked out
 of attention as keys, so the padding never changes the real rows' result.
 
@@ -14,6 +19,7 @@ module is `model.visual`). The fused qkv projection is split into q, k and v at 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -23,12 +29,12 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.layers.activation import ACTIVATIONS
-from jaxserve.layers.rotary import apply_rope
+from jaxserve.layers.rotary import apply_rope, mrope_rows
 from jaxserve.models.idefics3 import _param
+from jaxserve.models.llama import LlamaArgs, LlamaForCausalLM
 from jaxserve.models.opt import layer_norm
+from jaxserve.models.qwen2 import qwen2_args
 
-# transformers' QuickGELUActivation (Qwen2-VL's vision MLP) beside the shared activations
-_ACTIVATIONS = ACTIVATIONS | {"quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x)}
 _EPS = 1e-6  # every LayerNorm of the encoder and the merger
 
 
@@ -85,19 +91,6 @@ class Qwen2VLVisionArgs:
     def merge_dim(self) -> int:
         """The merger's input: one merge block's patches side by side."""
         return self.embed_dim * self.spatial_merge_size**2
-
-
-def vision_positions(grid_hw: tuple[int, int], merge: int) -> np.ndarray:
-    """[h * w, 2] int32: each patch's (row, column) in the processor's block-major order (the
-    merge x merge patches of a block consecutive, blocks row by row), as transformers'
-    get_vision_position_ids for one frame."""
-    h, w = grid_hw
-    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-    blocks = [
-        a.reshape(h // merge, merge, w // merge, merge).transpose(0, 2, 1, 3).reshape(-1)
-        for a in (rows, cols)
-    ]
-    return np.stack(blocks, axis=-1).astype(np.int32)
 
 
 class Qwen2VisionTower(nnx.Module):
@@ -169,7 +162,7 @@ def encode_image(
     patches = jnp.where(valid[:, None], patches, 0).astype(dtype)
     x = patches @ tower.patch_kernel.value
     per_freq, inv_freq = _rope_tables(v, positions)
-    act = _ACTIVATIONS[v.hidden_act]
+    act = ACTIVATIONS[v.hidden_act]
 
     def layer(x, w):
         h = layer_norm(x, w["ln1_weight"], w["ln1_bias"], _EPS)
@@ -226,3 +219,58 @@ def split_vision_tensor(name: str, tensor) -> Iterator[tuple[str, np.ndarray]]:
             yield f"{base}.{part}.{kind}", value
     else:
         yield name, tensor
+
+
+@dataclass(frozen=True)
+class Qwen2VLArgs(LlamaArgs):
+    vision: Qwen2VLVisionArgs | None = None
+
+
+def qwen2_vl_args(hf: Mapping, max_model_len: int) -> Qwen2VLArgs:
+    """The decoder's args from the config's text part (flattened into the top level by
+    model_resolution), with the rope's sections; the encoder's from vision_config."""
+    text = qwen2_args(hf, max_model_len)
+    fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(text)}
+    return Qwen2VLArgs(**fields | {"mrope_rows": mrope_rows(hf)}, vision=Qwen2VLVisionArgs.from_hf(hf))
+
+
+def qwen2_vl_names(name: str, tensor, args: Qwen2VLArgs) -> Iterator[tuple[str, np.ndarray]]:
+    """Checkpoints name the decoder `model.language_model.*` (transformers 5) or `model.*`, the
+    encoder `visual.*` or `model.visual.*`: one form of each."""
+    if name.startswith("model.language_model."):
+        name = "model." + name.removeprefix("model.language_model.")
+    elif name.startswith("model.visual."):
+        name = name.removeprefix("model.")
+    if name.startswith("visual."):
+        yield from split_vision_tensor(name, tensor)
+    else:
+        yield name, tensor
+
+
+class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
+    def __init__(self, args: Qwen2VLArgs, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        super().__init__(args, dtype=dtype, rngs=rngs)
+        self.vision = Qwen2VisionTower(args.vision, dtype, rngs)
+
+    def image_call(self, patches: jax.Array, positions: jax.Array, num_valid: jax.Array) -> jax.Array:
+        """The encoder's unit of work (runner/image_encoder.py): one image's patches, padded to a
+        bucket, -> its rows (the first num_valid // merge**2)."""
+        return encode_image(self.vision, self.args.vision, patches, positions, num_valid)
+
+    @staticmethod
+    def image_call_shapes(args: Qwen2VLArgs) -> list[tuple[jax.ShapeDtypeStruct, ...]]:
+        """The calls start-up compiles: images of up to 4096 patches (a 896x896 picture at
+        14x14 patches), in power-of-two buckets from 64; larger ones compile when first seen."""
+        v = args.vision
+        return [
+            (
+                jax.ShapeDtypeStruct((n, v.patch_dim), jnp.float32),
+                jax.ShapeDtypeStruct((n, 2), jnp.int32),
+                jax.ShapeDtypeStruct((), jnp.int32),
+            )
+            for n in (64 << i for i in range(7))
+        ]
+
+    @staticmethod
+    def hf_weight_map(args: Qwen2VLArgs) -> dict[str, tuple[str, int | tuple[int, int] | None, bool]]:
+        return LlamaForCausalLM.hf_weight_map(args) | vision_weight_map(args.vision)

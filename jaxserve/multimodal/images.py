@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.multimodal import image_placeholder
+from jaxserve.multimodal import image_placeholder, vision_positions
+from jaxserve.multimodal import qwen2_vl_processor as qwen2_vl
 from jaxserve.multimodal.idefics3_processor import Idefics3ImageConfig, image_prompt, process_image
 
 # vLLM's default: this many items of a modality per prompt unless --limit-mm-per-prompt says less
@@ -174,7 +175,42 @@ class Idefics3Prompts(ImagePrompts):
         return item, tokenizer.encode(text, add_special_tokens=False), None
 
 
-_FAMILIES = {"Idefics3ForConditionalGeneration": Idefics3Prompts}
+class Qwen2VLPrompts(ImagePrompts):
+    """Qwen2-VL: the chat template's `<|vision_start|><|image_pad|><|vision_end|>` keeps its
+    start and end, and `<|image_pad|>` becomes one per 2x2 block of the image's patches; the
+    prompt's M-RoPE positions follow the images' grids (transformers' get_rope_index)."""
+
+    def __init__(
+        self, hf_config: Mapping, preprocessor_config: Mapping, overrides: Mapping | None, limit: int
+    ):
+        super().__init__(hf_config, limit)
+        self.config = qwen2_vl.Qwen2VLImageConfig.from_preprocessor_config(preprocessor_config, overrides)
+        self.vision_start_token_id = hf_config["vision_start_token_id"]
+        self._settings = repr(self.config)
+
+    def _image(self, image, tokenizer):
+        processed = qwen2_vl.process_image(image, self.config)
+        n, merge = processed.pixel_values.shape[0], self.config.merge_size
+        bucket = max(64, 1 << (n - 1).bit_length())  # (the encoder's compiled sizes)
+        patches = np.zeros((bucket, processed.pixel_values.shape[1]), np.float32)
+        patches[:n] = processed.pixel_values
+        where = np.zeros((bucket, 2), np.int32)
+        where[:n] = vision_positions(processed.grid_thw[1:], merge)
+        rows = qwen2_vl.image_token_count(processed.grid_thw, merge)
+        item = ImageItem(_image_digest(image, self._settings), ((patches, where, np.int32(n)),), rows)
+        return item, [self.image_token_id] * rows, processed.grid_thw
+
+    def _rope(self, token_ids: list[int], grids: list) -> tuple[np.ndarray | None, int]:
+        positions, delta = qwen2_vl.mrope_positions(
+            token_ids, grids, self.image_token_id, self.vision_start_token_id, self.config.merge_size
+        )
+        return positions.astype(np.int32), delta
+
+
+_FAMILIES = {
+    "Idefics3ForConditionalGeneration": Idefics3Prompts,
+    "Qwen2VLForConditionalGeneration": Qwen2VLPrompts,
+}
 
 
 def image_prompts_for(

@@ -15,7 +15,8 @@ For one image:
      (row-major), those blocks row-major over the image; a row is channel, frame, patch row, column.
 
 The resize is Pillow's, on the uint8 RGB image, with the configured filter (BICUBIC by default), as
-transformers' PIL backend does, so the pixels match it to float rounding.
+transformers' PIL backend does, and the rescale and normalize are its float operations in its order, so
+the pixels match it bit for bit.
 
 In the prompt an image is `<|vision_start|><|image_pad|><|vision_end|>` (the chat template's text),
 its one IMAGE_PAD then repeated `image_token_count` times, as Qwen2VLProcessor does. `mrope_positions`
@@ -256,9 +257,8 @@ def _patchify(image: np.ndarray, config: Qwen2VLImageConfig) -> tuple[np.ndarray
     channels, height, width = image.shape
     grid_h, grid_w = height // patch, width // patch
     blocks = image.reshape(channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch)
-    blocks = blocks.transpose(
-        1, 4, 2, 5, 0, 3, 6
-    )  # block row, block col, row in block, col in block, C, P, P
+    # block row, block column, row and column in the block, channel, patch row and column
+    blocks = blocks.transpose(1, 4, 2, 5, 0, 3, 6)
     repeated = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], frames, patch, patch))
     return repeated.reshape(grid_h * grid_w, channels * frames * patch * patch), grid_h, grid_w
 

@@ -24,9 +24,9 @@ from jaxserve.models.qwen2_vl import (  # noqa: E402
     Qwen2VLVisionArgs,
     encode_image,
     split_vision_tensor,
-    vision_positions,
     vision_weight_map,
 )
+from jaxserve.multimodal import vision_positions  # noqa: E402
 
 GRIDS = [(4, 6), (8, 4)]  # (h, w) in patches of one frame each
 MERGE = 2
