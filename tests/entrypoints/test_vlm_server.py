@@ -152,3 +152,54 @@ async def test_a_text_only_model_refuses_images(http):
         assert resp.status == 400
         error = (await resp.json())["error"]
     assert "takes no images" in error["message"] and error["type"] == "BadRequestError"
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory):
+    from tiny_models import make_qwen2_vl_checkpoint
+
+    path = tmp_path_factory.mktemp("qwen2-vl-server")
+    model, image_processor = make_qwen2_vl_checkpoint(path)
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=str(path), served_model_name=[MODEL], **engine_kwargs())
+    )
+    return engine, model, image_processor
+
+
+async def test_qwen2_vl_chat_with_an_image(qwen2_vl):
+    """Qwen2-VL through the server: its template's vision tokens, the image's pad tokens and
+    M-RoPE positions give transformers' reply, whole and streamed."""
+    engine, model, image_processor = qwen2_vl
+    png = _png(5, 50, 40)
+    messages = _messages(_data_url(png))
+    tokenizer = engine.tokenizer
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, messages[0]["content"][1]]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    pixels = image_processor(images=[Image.open(io.BytesIO(png))], return_tensors="pt")
+    pad = "<|image_pad|>"
+    text = text.replace(pad, pad * (int(pixels["image_grid_thw"].prod()) // image_processor.merge_size**2))
+    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels["pixel_values"],
+            image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(ids == tokenizer.convert_tokens_to_ids(pad)).int(),
+            max_new_tokens=MAX_TOKENS, do_sample=False,
+        )  # fmt: skip
+    expected = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).rstrip("\ufffd")
+    server = await start_server(engine)
+    try:
+        client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="unused", max_retries=0)
+        whole = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert whole.choices[0].message.content == expected
+        assert whole.usage.prompt_tokens == ids.shape[1]
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+        assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == expected
+    finally:
+        await server.close()
