@@ -242,3 +242,36 @@ def test_a_model_that_does_not_split_is_one_line(tmp_path, shape_dir):
 def test_unknown_topology_is_a_usage_error(tmp_path, shape_dir):
     done, _ = compile_check(tmp_path, shape_dir, "--topology", "v4-8")
     assert done.returncode == 2 and "--topology" in done.stderr
+
+
+# Qwen2-VL's shape: the decoder above with M-RoPE sections (64 frequencies of a 128-wide head), a
+# 4-layer ViT 256 wide with 8 heads over 14x14 patches of 2 frames, 2x2 merged into the decoder's width
+QWEN2_VL_SHAPE = {
+    **SHAPE,
+    "architectures": ["Qwen2VLForConditionalGeneration"],
+    "model_type": "qwen2_vl",
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+    "image_token_id": 1001,
+    "video_token_id": 1002,
+    "vision_start_token_id": 1003,
+    "vision_config": {
+        "embed_dim": 256, "depth": 4, "num_heads": 8, "mlp_ratio": 4, "patch_size": 14, "temporal_patch_size": 2,
+        "spatial_merge_size": 2, "in_channels": 3, "hidden_size": 512, "hidden_act": "quick_gelu",
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_a_vision_language_model_compiles_for_tpu(tmp_path, tp):
+    """Qwen2-VL: its image encoder (the smallest patch bucket), the steps with M-RoPE positions,
+    and the step that takes a prompt's image rows, each through libtpu; at tp=4 the encoder's
+    heads are split like the decoder's."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_VL_SHAPE))
+    flags = ["--topology", "v5e-4", "-tp", str(tp), *SMALL, "--programs", "quick"]
+    done, report = compile_check(tmp_path, str(tmp_path), *flags)
+    assert done.returncode == 0, done.stderr[-3000:]
+    programs = {(tuple(p["bucket"]), p["variant"]): p for p in report["programs"]}
+    assert ((64, 14 * 14 * 2 * 3), "encoder") in programs
+    assert any(variant == "prompt_embeds" for _, variant in programs), list(programs)
+    assert all(p["error"] is None for p in programs.values())
+    assert all(p["kernels"] >= 1 for (_, variant), p in programs.items() if variant != "encoder")

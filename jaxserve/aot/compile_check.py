@@ -17,12 +17,15 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.aot.chips import Target, pallas_target
 from jaxserve.args import EngineArgs
 from jaxserve.loader.model_loader import abstract_model, build_model_args
 from jaxserve.model_resolution import targeting
+from jaxserve.models.registry import resolve_architecture
 from jaxserve.runner.bucketing import Buckets
+from jaxserve.runner.image_encoder import image_call_program
 from jaxserve.runner.kv_cache import abstract_kv_pool, devices_per_block
 from jaxserve.runner.step import StepVariant
 from jaxserve.runner.step_cache import StepCache
@@ -110,7 +113,8 @@ class Report:
                     f"{name}: needs {p.peak_bytes / 2**30:.2f} GiB of the chip's "
                     f"{self.hbm_bytes / 2**30:.2f} GiB"
                 )
-            elif p.part != "sample" and p.kernels == 0 and self.attention_backend == "tpu":
+            elif p.part not in ("sample", "encoder") and p.kernels == 0 and self.attention_backend == "tpu":
+                # (an image encoder attends within one image, densely: no paged kernel there)
                 lines.append(f"{name}: compiled without the Pallas attention kernel")
         return lines
 
@@ -266,12 +270,20 @@ def check(
         pooler = mc.pooler_config
         pooling = None if pooler is None else StepVariant.for_pooling(pooler.pooling_type).kind
         for bucket, variant in programs_in_scope(
-            layout.buckets, scope, layout.num_speculative_tokens > 0, pooling, mc.enable_prompt_embeds
+            layout.buckets,
+            scope,
+            layout.num_speculative_tokens > 0,
+            pooling,
+            mc.enable_prompt_embeds or mc.is_multimodal,  # (a prompt's image rows go in as embeddings)
         ):
             for program in _compile(steps, bucket, variant, resident):
                 report.programs.append(program)
                 if progress is not None:
                     progress(program)
+        for program in _encoder_programs(config, graphdef, state, mesh, args, scope, resident):
+            report.programs.append(program)
+            if progress is not None:
+                progress(program)
         for program in _draft_programs(config, layout, mesh, scope, report):
             report.programs.append(program)
             if progress is not None:
@@ -305,6 +317,34 @@ def _draft_programs(config, layout: StepLayout, mesh, scope: str, report: Report
             continue
         measured = Program(bucket, "draft", "draft", time.perf_counter() - start)
         out.append(_measured(measured, compiled, report.weight_bytes + report.kv_pool_bytes))
+    return out
+
+
+def _encoder_programs(config, graphdef, state, mesh, args, scope: str, resident: int) -> list[Program]:
+    """A vision-language model's image encoder calls (runner/image_encoder.py) in the shapes
+    start-up compiles (`quick`: the first), each as a program "encoder" whose bucket is the
+    call's first argument's (rows, width)."""
+    if getattr(args, "vision", None) is None:
+        return []
+    model_cls = resolve_architecture(config.model_config.hf_config)[1].model_cls
+    calls = model_cls.image_call_shapes(args)
+    program = image_call_program(graphdef, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    out = []
+    for shapes in calls[:1] if scope == "quick" else calls:
+        first = shapes[0].shape
+        bucket = (int(np.prod(first[:-1])), first[-1])
+        start = time.perf_counter()
+        try:
+            args_ = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated) for x in shapes]
+            compiled = program.lower(state, *args_).compile()
+        except Exception as err:  # libtpu's refusal, kept to its first line
+            message = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
+            out.append(Program(bucket, "encoder", "encoder", time.perf_counter() - start, error=message))
+            continue
+        out.append(
+            _measured(Program(bucket, "encoder", "encoder", time.perf_counter() - start), compiled, resident)
+        )
     return out
 
 

@@ -35,10 +35,16 @@ def _call_rows(state: nnx.State, *args: jax.Array, graphdef: nnx.GraphDef) -> ja
     return nnx.merge(graphdef, state).image_call(*args)
 
 
+def image_call_program(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh):
+    """The model's `image_call` as a program of (weights, *its arguments), its rows replicated
+    (how the runner calls it, and the TPU compile check compiles it)."""
+    return jax.jit(partial(_call_rows, graphdef=graphdef), out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
 class ImageEncoder:
     def __init__(self, graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, cache_bytes: int):
         self._replicated = NamedSharding(mesh, PartitionSpec())
-        self._program = jax.jit(partial(_call_rows, graphdef=graphdef), out_shardings=self._replicated)
+        self._program = image_call_program(graphdef, mesh)
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self.hits = self.misses = 0  # images found in the cache / encoded
