@@ -434,7 +434,7 @@ class EngineArgsFields:
         G.MM,
         None,
         'Overrides of the image processor\'s config, as JSON (e.g. {"do_image_splitting": false} or '
-        '{"size": {"longest_edge": 1024}} for Idefics3 / SmolVLM).',
+        '{"size": {"longest_edge": 1024}} for Idefics3 / SmolVLM, {"max_pixels": 200704} for Qwen2-VL).',
     )
     disable_mm_preprocessor_cache: bool = arg(
         G.MM, False, "Keep no encoded images between steps (each image is encoded for every prompt it is in)."
