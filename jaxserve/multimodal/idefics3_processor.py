@@ -21,14 +21,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from numbers import Real
 
 import numpy as np
 from PIL import Image
 
+from jaxserve.multimodal.pixels import flag, per_channel, positive, resample_filter, rescale_normalize, to_rgb
+
 MAX_IMAGE_SIZE = 4096  # transformers' cap on either side after the first resize
 LANCZOS = 1  # PIL.Image.Resampling.LANCZOS
-_RESAMPLE_FILTERS = range(6)  # NEAREST, LANCZOS, BILINEAR, BICUBIC, BOX, HAMMING
 
 FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
 IMAGE_TOKEN = "<image>"
@@ -81,12 +81,12 @@ class Idefics3ImageConfig:
         return cls(
             longest_edge=_longest_edge(merged["size"], "size"),
             max_image_size=_longest_edge(merged["max_image_size"], "max_image_size"),
-            do_image_splitting=_flag(merged["do_image_splitting"], "do_image_splitting"),
-            resample=_resample(merged["resample"]),
-            rescale_factor=_positive(merged["rescale_factor"], "rescale_factor"),
-            image_mean=_per_channel(merged["image_mean"], "image_mean"),
-            image_std=_per_channel(merged["image_std"], "image_std", nonzero=True),
-            do_convert_rgb=_flag(merged["do_convert_rgb"], "do_convert_rgb"),
+            do_image_splitting=flag(merged["do_image_splitting"], "do_image_splitting"),
+            resample=resample_filter(merged["resample"]),
+            rescale_factor=positive(merged["rescale_factor"], "rescale_factor"),
+            image_mean=per_channel(merged["image_mean"], "image_mean"),
+            image_std=per_channel(merged["image_std"], "image_std", nonzero=True),
+            do_convert_rgb=flag(merged["do_convert_rgb"], "do_convert_rgb"),
         )
 
 
@@ -102,7 +102,7 @@ def process_image(image: Image.Image, config: Idefics3ImageConfig) -> ProcessedI
     if not isinstance(image, Image.Image):
         raise TypeError(f"expected a PIL image, got {type(image).__name__}")
     side, resample = config.max_image_size, config.resample
-    rgb = _to_rgb(image, config.do_convert_rgb)
+    rgb = to_rgb(image, config.do_convert_rgb)
     height, width = _fit_longest_edge(rgb.height, rgb.width, config.longest_edge)
     resized = rgb.resize((width, height), resample=resample)
     if config.do_image_splitting:
@@ -130,19 +130,6 @@ def image_prompt(rows: int, cols: int, image_seq_len: int) -> str:
         for r in range(rows)
     )
     return f"{grid}\n{global_image}"
-
-
-def _to_rgb(image: Image.Image, do_convert_rgb: bool) -> Image.Image:
-    """transformers' convert_to_rgb: transparency is composited onto opaque white."""
-    if not do_convert_rgb:
-        if len(image.getbands()) != 3:
-            raise ValueError(f"do_convert_rgb=False needs a 3-band image, got mode {image.mode}")
-        return Image.fromarray(np.asarray(image))  # its bands are taken as they are, as R, G, B
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    return image.convert("RGB")
 
 
 def _fit_longest_edge(height: int, width: int, longest_edge: int) -> tuple[int, int]:
@@ -199,12 +186,9 @@ def _split(image: Image.Image, side: int, resample: int) -> tuple[list[np.ndarra
 
 
 def _normalize(frames: np.ndarray, config: Idefics3ImageConfig) -> np.ndarray:
-    """[n, H, W, 3] uint8 -> [n, 3, H, W] float32: rescaled in float64 and cast to float32, then
-    normalized in float32, the order and precision of transformers' rescale and normalize."""
-    scaled = (frames.astype(np.float64) * config.rescale_factor).astype(np.float32)
-    mean = np.asarray(config.image_mean, dtype=np.float32)
-    std = np.asarray(config.image_std, dtype=np.float32)
-    return np.ascontiguousarray(((scaled - mean) / std).transpose(0, 3, 1, 2))
+    """[n, H, W, 3] uint8 -> [n, 3, H, W] float32 (pixels.rescale_normalize)."""
+    normalized = rescale_normalize(frames, config.rescale_factor, config.image_mean, config.image_std)
+    return np.ascontiguousarray(normalized.transpose(0, 3, 1, 2))
 
 
 def _longest_edge(value, key: str) -> int:
@@ -214,32 +198,3 @@ def _longest_edge(value, key: str) -> int:
     if isinstance(edge, bool) or not isinstance(edge, int) or edge < 1:
         raise ValueError(f'{key}["longest_edge"] must be a positive int, got {edge!r}')
     return edge
-
-
-def _flag(value, key: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{key} must be true or false, got {value!r}")
-    return value
-
-
-def _resample(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value not in _RESAMPLE_FILTERS:
-        raise ValueError(f"resample must be a PIL filter number 0-5, got {value!r}")
-    return int(value)
-
-
-def _positive(value, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not 0 < value < math.inf:
-        raise ValueError(f"{key} must be a positive number, got {value!r}")
-    return float(value)
-
-
-def _per_channel(value, key: str, nonzero: bool = False) -> tuple[float, float, float]:
-    values = [value] * 3 if isinstance(value, Real) and not isinstance(value, bool) else value
-    ok = isinstance(values, (list, tuple)) and len(values) == 3
-    ok = ok and all(isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v) for v in values)
-    if not ok or (nonzero and 0 in values):
-        raise ValueError(
-            f"{key} must be a number or 3 finite numbers{' (not 0)' if nonzero else ''}, got {value!r}"
-        )
-    return tuple(float(v) for v in values)

@@ -28,13 +28,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from numbers import Real
 
 import numpy as np
 from PIL import Image
 
+from jaxserve.multimodal.pixels import flag, per_channel, positive, resample_filter, rescale_normalize, to_rgb
+
 BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
-_RESAMPLE_FILTERS = range(6)  # NEAREST, LANCZOS, BILINEAR, BICUBIC, BOX, HAMMING
 MAX_ASPECT_RATIO = 200  # smart_resize refuses an image whose long side is more than 200 x its short side
 
 VISION_START = "<|vision_start|>"
@@ -121,11 +121,11 @@ class Qwen2VLImageConfig:
             patch_size=merged["patch_size"],
             temporal_patch_size=merged["temporal_patch_size"],
             merge_size=merged["merge_size"],
-            resample=_resample(merged["resample"]),
-            rescale_factor=_positive(merged["rescale_factor"], "rescale_factor"),
-            image_mean=_per_channel(merged["image_mean"], "image_mean"),
-            image_std=_per_channel(merged["image_std"], "image_std", nonzero=True),
-            do_convert_rgb=_flag(merged["do_convert_rgb"], "do_convert_rgb"),
+            resample=resample_filter(merged["resample"]),
+            rescale_factor=positive(merged["rescale_factor"], "rescale_factor"),
+            image_mean=per_channel(merged["image_mean"], "image_mean"),
+            image_std=per_channel(merged["image_std"], "image_std", nonzero=True),
+            do_convert_rgb=flag(merged["do_convert_rgb"], "do_convert_rgb"),
         )
 
 
@@ -164,7 +164,7 @@ def process_image(image: Image.Image, config: Qwen2VLImageConfig) -> ProcessedIm
     """One image's patches and grid, as Qwen2VLImageProcessorPil makes them for `images=[image]`."""
     if not isinstance(image, Image.Image):
         raise TypeError(f"expected a PIL image, got {type(image).__name__}")
-    rgb = _to_rgb(image, config.do_convert_rgb)
+    rgb = to_rgb(image, config.do_convert_rgb)
     height, width = smart_resize(rgb.height, rgb.width, config.factor, config.min_pixels, config.max_pixels)
     resized = np.asarray(rgb.resize((width, height), resample=config.resample))  # [H, W, 3] uint8
     patches, grid_h, grid_w = _patchify(_normalize(resized, config), config)
@@ -227,26 +227,11 @@ def mrope_positions(
     return positions, delta
 
 
-def _to_rgb(image: Image.Image, do_convert_rgb: bool) -> Image.Image:
-    """transformers' convert_to_rgb: transparency is composited onto opaque white."""
-    if not do_convert_rgb:
-        if len(image.getbands()) != 3:
-            raise ValueError(f"do_convert_rgb=False needs a 3-band image, got mode {image.mode}")
-        return Image.fromarray(np.asarray(image))  # its bands are taken as they are, as R, G, B
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    return image.convert("RGB")
-
-
 def _normalize(pixels: np.ndarray, config: Qwen2VLImageConfig) -> np.ndarray:
-    """[H, W, 3] uint8 -> [3, H, W] float32: rescaled in float64 and cast to float32, then normalized
-    in float32, the order and precision of transformers' rescale and normalize."""
-    scaled = (pixels.astype(np.float64) * config.rescale_factor).astype(np.float32)
-    mean = np.asarray(config.image_mean, dtype=np.float32)
-    std = np.asarray(config.image_std, dtype=np.float32)
-    return ((scaled - mean) / std).transpose(2, 0, 1)
+    """[H, W, 3] uint8 -> [3, H, W] float32 (pixels.rescale_normalize)."""
+    return rescale_normalize(pixels, config.rescale_factor, config.image_mean, config.image_std).transpose(
+        2, 0, 1
+    )
 
 
 def _patchify(image: np.ndarray, config: Qwen2VLImageConfig) -> tuple[np.ndarray, int, int]:
@@ -315,32 +300,3 @@ def _positive_int(value, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{key} must be a positive int, got {value!r}")
     return int(value)
-
-
-def _flag(value, key: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{key} must be true or false, got {value!r}")
-    return value
-
-
-def _resample(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value not in _RESAMPLE_FILTERS:
-        raise ValueError(f"resample must be a PIL filter number 0-5, got {value!r}")
-    return int(value)
-
-
-def _positive(value, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not 0 < value < math.inf:
-        raise ValueError(f"{key} must be a positive number, got {value!r}")
-    return float(value)
-
-
-def _per_channel(value, key: str, nonzero: bool = False) -> tuple[float, float, float]:
-    values = [value] * 3 if isinstance(value, Real) and not isinstance(value, bool) else value
-    ok = isinstance(values, (list, tuple)) and len(values) == 3
-    ok = ok and all(isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v) for v in values)
-    if not ok or (nonzero and 0 in values):
-        raise ValueError(
-            f"{key} must be a number or 3 finite numbers{' (not 0)' if nonzero else ''}, got {value!r}"
-        )
-    return tuple(float(v) for v in values)
