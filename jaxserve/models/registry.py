@@ -22,6 +22,7 @@ from jaxserve.models.modernbert import ModernBertArgs, ModernBertModel
 from jaxserve.models.opt import OPTArgs, OPTForCausalLM, opt_names
 from jaxserve.models.phi3 import split_fused
 from jaxserve.models.qwen2 import qwen2_args
+from jaxserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_args, qwen2_5_vl_names
 from jaxserve.models.qwen2_vl import Qwen2VLForConditionalGeneration, qwen2_vl_args, qwen2_vl_names
 from jaxserve.models.qwen3 import qwen3_args
 from jaxserve.models.qwen3_moe import qwen3_moe_args, split_stacked_experts
@@ -54,6 +55,9 @@ _REGISTRY: dict[str, ModelEntry] = {
     ),
     "Qwen2VLForConditionalGeneration": ModelEntry(
         Qwen2VLForConditionalGeneration, qwen2_vl_args, qwen2_vl_names
+    ),
+    "Qwen2_5_VLForConditionalGeneration": ModelEntry(
+        Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_args, qwen2_5_vl_names
     ),
     "LlamaForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf),
     "MistralForCausalLM": ModelEntry(LlamaForCausalLM, LlamaArgs.from_hf),

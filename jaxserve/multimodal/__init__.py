@@ -11,6 +11,7 @@ import numpy as np
 _PLACEHOLDERS = {
     "Idefics3ForConditionalGeneration": "<image>",
     "Qwen2VLForConditionalGeneration": "<|vision_start|><|image_pad|><|vision_end|>",
+    "Qwen2_5_VLForConditionalGeneration": "<|vision_start|><|image_pad|><|vision_end|>",
 }
 
 

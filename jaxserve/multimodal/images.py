@@ -12,6 +12,7 @@ rows fed in place of those tokens' embeddings (runner/image_encoder.py).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.multimodal import image_placeholder, vision_positions
+from jaxserve.multimodal import image_placeholder, qwen2_5_vl_windows, vision_positions
 from jaxserve.multimodal import qwen2_vl_processor as qwen2_vl
 from jaxserve.multimodal.idefics3_processor import Idefics3ImageConfig, image_prompt, process_image
 
@@ -207,9 +208,32 @@ class Qwen2VLPrompts(ImagePrompts):
         return positions.astype(np.int32), delta
 
 
+class Qwen2_5_VLPrompts(Qwen2VLPrompts):
+    """Qwen2.5-VL: Qwen2-VL's prompts, its images' calls also carrying the encoder's window order
+    and each merged unit's window (multimodal/qwen2_5_vl_windows.py), padded to the patches'
+    bucket."""
+
+    def __init__(
+        self, hf_config: Mapping, preprocessor_config: Mapping, overrides: Mapping | None, limit: int
+    ):
+        super().__init__(hf_config, preprocessor_config, overrides, limit)
+        self.window = qwen2_5_vl_windows.merger_window(hf_config["vision_config"])
+        self._settings += f" window={self.window}"
+
+    def _image(self, image, tokenizer):
+        item, tokens, grid = super()._image(image, tokenizer)
+        ((patches, where, n),) = item.calls
+        merge = self.config.merge_size
+        index, ids = qwen2_5_vl_windows.window_inputs(
+            grid[1:], merge, self.window, patches.shape[0] // merge**2
+        )
+        return dataclasses.replace(item, calls=((patches, where, n, index, ids),)), tokens, grid
+
+
 _FAMILIES = {
     "Idefics3ForConditionalGeneration": Idefics3Prompts,
     "Qwen2VLForConditionalGeneration": Qwen2VLPrompts,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLPrompts,
 }
 
 
