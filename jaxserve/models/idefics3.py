@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.layers.activation import ACTIVATIONS
+from jaxserve.layers.vit import add_block_params, block, param, stacked_params
 from jaxserve.models.llama import LlamaArgs, LlamaForCausalLM
 from jaxserve.models.opt import layer_norm
 
@@ -102,48 +103,24 @@ def position_ids(v: VisionArgs, patches_per_side: int) -> np.ndarray:
     return (buckets[:, None] * v.patches_per_side + buckets[None, :]).reshape(-1).astype(np.int32)
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, init: str = "normal", axes=None) -> nnx.Param:
-    if init == "ones":
-        value = jnp.ones(shape, dtype)
-    elif init == "zeros":
-        value = jnp.zeros(shape, dtype)
-    else:
-        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, logical_axes=axes or (None,) * len(shape))
-
-
 class VisionTower(nnx.Module):
     """The SigLIP encoder (layers stacked, run by one scan) and the connector's projection. Under
     tensor parallelism each device holds its share of the heads and of the MLP (when they split
     evenly; else the whole encoder), and XLA partitions the encoder as the weights are split."""
 
     def __init__(self, v: VisionArgs, text_hidden: int, dtype, rngs: nnx.Rngs):
-        n, d, m = v.num_layers, v.hidden_size, v.intermediate_size
-        heads, mlp = ("vision_heads", "vision_mlp") if v.tp_split else (None, None)
-        self.patch_kernel = _param(rngs, (v.num_channels * v.patch_size**2, d), dtype)
-        self.patch_bias = _param(rngs, (d,), dtype, "zeros")
-        self.positions = _param(rngs, (v.patches_per_side**2, d), dtype)
-        # name: (shape, the split axis of its input, of its output)
-        kernels = {n_: ((d, d), None, heads) for n_ in "qkv"}
-        kernels |= {"o": ((d, d), heads, None), "fc1": ((d, m), None, mlp), "fc2": ((m, d), mlp, None)}
-        for name, (shape, split_in, split_out) in kernels.items():
-            setattr(
-                self, name + "_kernel", _param(rngs, (n, *shape), dtype, axes=(None, split_in, split_out))
-            )
-            setattr(self, name + "_bias", _param(rngs, (n, shape[1]), dtype, "zeros", (None, split_out)))
-        for name in ("ln1", "ln2"):
-            setattr(self, name + "_weight", _param(rngs, (n, d), dtype, "ones"))
-            setattr(self, name + "_bias", _param(rngs, (n, d), dtype, "zeros"))
-        self.post_ln_weight = _param(rngs, (d,), dtype, "ones")
-        self.post_ln_bias = _param(rngs, (d,), dtype, "zeros")
-        self.projection = _param(rngs, (d * v.scale_factor**2, text_hidden), dtype)
+        d = v.hidden_size
+        self.patch_kernel = param(rngs, (v.num_channels * v.patch_size**2, d), dtype)
+        self.patch_bias = param(rngs, (d,), dtype, "zeros")
+        self.positions = param(rngs, (v.patches_per_side**2, d), dtype)
+        shape = (v.num_layers, d, v.intermediate_size)
+        self._block_names = add_block_params(self, rngs, shape, dtype, v.tp_split)
+        self.post_ln_weight = param(rngs, (d,), dtype, "ones")
+        self.post_ln_bias = param(rngs, (d,), dtype, "zeros")
+        self.projection = param(rngs, (d * v.scale_factor**2, text_hidden), dtype)
 
     def stacked(self) -> dict[str, jax.Array]:
-        names = ("q", "k", "v", "o", "fc1", "fc2")
-        layer = {f"{p}_{s}": getattr(self, f"{p}_{s}").value for p in names for s in ("kernel", "bias")}
-        return layer | {
-            f"{p}_{s}": getattr(self, f"{p}_{s}").value for p in ("ln1", "ln2") for s in ("weight", "bias")
-        }
+        return stacked_params(self, self._block_names)
 
 
 def encode_tile(tower: VisionTower, v: VisionArgs, pixels: jax.Array) -> jax.Array:
@@ -154,18 +131,13 @@ def encode_tile(tower: VisionTower, v: VisionArgs, pixels: jax.Array) -> jax.Arr
     patches = pixels.reshape(v.num_channels, side, p, side, p).transpose(1, 3, 0, 2, 4)
     x = patches.reshape(side * side, -1).astype(dtype) @ tower.patch_kernel.value + tower.patch_bias.value
     x = x + tower.positions.value[jnp.asarray(position_ids(v, side))]
-    heads, head_dim = v.num_heads, v.hidden_size // v.num_heads
     act = ACTIVATIONS[v.hidden_act]
 
+    def norm(x, w, name):
+        return layer_norm(x, w[name + "_weight"], w[name + "_bias"], v.layer_norm_eps)
+
     def layer(x, w):
-        h = layer_norm(x, w["ln1_weight"], w["ln1_bias"], v.layer_norm_eps)
-        q, k, val = ((h @ w[f"{n}_kernel"] + w[f"{n}_bias"]).reshape(-1, heads, head_dim) for n in "qkv")
-        scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * head_dim**-0.5
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        attn = jnp.einsum("hqk,khd->qhd", probs, val).reshape(x.shape)
-        x = x + attn @ w["o_kernel"] + w["o_bias"]
-        h = layer_norm(x, w["ln2_weight"], w["ln2_bias"], v.layer_norm_eps)
-        return x + act(h @ w["fc1_kernel"] + w["fc1_bias"]) @ w["fc2_kernel"] + w["fc2_bias"], None
+        return block(x, w, v.num_heads, act, norm), None
 
     x, _ = jax.lax.scan(layer, x, tower.stacked())
     x = layer_norm(x, tower.post_ln_weight.value, tower.post_ln_bias.value, v.layer_norm_eps)

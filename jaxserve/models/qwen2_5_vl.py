@@ -34,11 +34,18 @@ from flax import nnx
 
 from jaxserve.layers.activation import ACTIVATIONS
 from jaxserve.layers.norm import rms_norm
-from jaxserve.layers.rotary import apply_rope, mrope_rows
-from jaxserve.models.idefics3 import _param
+from jaxserve.layers.rotary import mrope_rows
+from jaxserve.layers.vit import add_block_params, block, param, stacked_params
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.qwen2 import qwen2_args
-from jaxserve.models.qwen2_vl import Qwen2VLArgs, Qwen2VLVisionArgs, _rope_tables, qwen2_vl_names
+from jaxserve.models.qwen2_vl import (
+    Qwen2VLArgs,
+    Qwen2VLVisionArgs,
+    _rope_tables,
+    add_merger_params,
+    merger_mlp,
+    qwen2_vl_names,
+)
 
 _EPS = 1e-6  # every RMSNorm of the encoder and the merger
 
@@ -87,37 +94,22 @@ class Qwen2_5_VisionTower(nnx.Module):
     evenly; else the whole encoder); the merger is whole on each device."""
 
     def __init__(self, v: Qwen2_5_VLVisionArgs, dtype, rngs: nnx.Rngs):
-        n, d, m = v.depth, v.embed_dim, v.intermediate_size
-        heads, mlp = ("vision_heads", "vision_mlp") if v.tp_split else (None, None)
-        self.patch_kernel = _param(rngs, (v.patch_dim, d), dtype)
-        # name: (shape, the split axis of its input, of its output)
-        kernels = {n_: ((d, d), None, heads) for n_ in "qkv"}
-        kernels |= {"o": ((d, d), heads, None), "gate": ((d, m), None, mlp), "up": ((d, m), None, mlp)}
-        kernels["down"] = ((m, d), mlp, None)
-        for name, (shape, split_in, split_out) in kernels.items():
-            setattr(
-                self, name + "_kernel", _param(rngs, (n, *shape), dtype, axes=(None, split_in, split_out))
-            )
-            setattr(self, name + "_bias", _param(rngs, (n, shape[1]), dtype, "zeros", (None, split_out)))
-        self.ln1_weight = _param(rngs, (n, d), dtype, "ones")
-        self.ln2_weight = _param(rngs, (n, d), dtype, "ones")
-        self.merger_ln_weight = _param(rngs, (d,), dtype, "ones")
-        self.merger_fc1_kernel = _param(rngs, (v.merge_dim, v.merge_dim), dtype)
-        self.merger_fc1_bias = _param(rngs, (v.merge_dim,), dtype, "zeros")
-        self.merger_fc2_kernel = _param(rngs, (v.merge_dim, v.out_hidden), dtype)
-        self.merger_fc2_bias = _param(rngs, (v.out_hidden,), dtype, "zeros")
+        d = v.embed_dim
+        self.patch_kernel = param(rngs, (v.patch_dim, d), dtype)
+        shape = (v.depth, d, v.intermediate_size)
+        self._block_names = add_block_params(
+            self, rngs, shape, dtype, v.tp_split, gated=True, norm_bias=False
+        )
+        self.merger_ln_weight = param(rngs, (d,), dtype, "ones")
+        add_merger_params(self, rngs, v, dtype)
 
     def stacked(self) -> dict[str, jax.Array]:
-        names = [f"{p}_{s}" for p in ("q", "k", "v", "o", "gate", "up", "down") for s in ("kernel", "bias")]
-        return {name: getattr(self, name).value for name in [*names, "ln1_weight", "ln2_weight"]}
+        return stacked_params(self, self._block_names)
 
 
 def _merge(tower: Qwen2_5_VisionTower, v: Qwen2_5_VLVisionArgs, x: jax.Array) -> jax.Array:
-    """PatchMerger: RMSNorm, each merge block's patches side by side, Linear, exact GELU, Linear."""
-    x = rms_norm(x, tower.merger_ln_weight.value, _EPS).reshape(-1, v.merge_dim)
-    h = jax.nn.gelu(x @ tower.merger_fc1_kernel.value + tower.merger_fc1_bias.value, approximate=False)
-    out = jnp.dot(h, tower.merger_fc2_kernel.value, preferred_element_type=jnp.float32)
-    return out + tower.merger_fc2_bias.value.astype(jnp.float32)
+    """PatchMerger: RMSNorm, then Qwen2-VL's merger_mlp."""
+    return merger_mlp(tower, v, rms_norm(x, tower.merger_ln_weight.value, _EPS))
 
 
 def encode_image_windowed(
@@ -136,8 +128,7 @@ def encode_image_windowed(
     float32, transformers' pooler_output for the image's num_valid patches in the first
     num_valid // merge**2 rows (the rest zero)."""
     dtype = tower.patch_kernel.value.dtype
-    n, heads, head_dim = patches.shape[0], v.num_heads, v.head_dim
-    unit = v.spatial_merge_size**2
+    n, unit = patches.shape[0], v.spatial_merge_size**2
 
     def windowed(a: jax.Array) -> jax.Array:  # rows in the processor's order -> in window order
         return a.reshape(n // unit, unit, *a.shape[1:])[window_index].reshape(a.shape)
@@ -153,20 +144,13 @@ def encode_image_windowed(
     full = np.isin(np.arange(v.depth), v.fullatt_block_indexes)
     act = ACTIVATIONS[v.hidden_act]
 
+    def norm(x, w, name):
+        return rms_norm(x, w[name + "_weight"], _EPS)
+
     def layer(x, layer_in):
         w, full_attention = layer_in
-        h = rms_norm(x, w["ln1_weight"], _EPS)
-        q, k, val = ((h @ w[f"{p}_kernel"] + w[f"{p}_bias"]).reshape(n, heads, head_dim) for p in "qkv")
-        q, k = apply_rope(q, per_freq, inv_freq), apply_rope(k, per_freq, inv_freq)
-        scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * head_dim**-0.5
         keys = jnp.where(full_attention, whole, in_window)
-        scores = jnp.where(keys[None], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        attn = jnp.einsum("hqk,khd->qhd", probs, val).reshape(x.shape)
-        x = x + attn @ w["o_kernel"] + w["o_bias"]
-        h = rms_norm(x, w["ln2_weight"], _EPS)
-        gate = act(h @ w["gate_kernel"] + w["gate_bias"])
-        return x + (gate * (h @ w["up_kernel"] + w["up_bias"])) @ w["down_kernel"] + w["down_bias"], None
+        return block(x, w, v.num_heads, act, norm, (per_freq, inv_freq), keys), None
 
     x, _ = jax.lax.scan(layer, x, (tower.stacked(), jnp.asarray(full)))
     merged = _merge(tower, v, x)  # [units] in window order

@@ -29,8 +29,8 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.layers.activation import ACTIVATIONS
-from jaxserve.layers.rotary import apply_rope, mrope_rows
-from jaxserve.models.idefics3 import _param
+from jaxserve.layers.rotary import mrope_rows
+from jaxserve.layers.vit import add_block_params, block, param, stacked_params
 from jaxserve.models.llama import LlamaArgs, LlamaForCausalLM
 from jaxserve.models.opt import layer_norm
 from jaxserve.models.qwen2 import qwen2_args
@@ -99,31 +99,23 @@ class Qwen2VisionTower(nnx.Module):
     evenly; else the whole encoder); the merger is whole on each device."""
 
     def __init__(self, v: Qwen2VLVisionArgs, dtype, rngs: nnx.Rngs):
-        n, d, m = v.depth, v.embed_dim, v.intermediate_size
-        heads, mlp = ("vision_heads", "vision_mlp") if v.tp_split else (None, None)
-        self.patch_kernel = _param(rngs, (v.patch_dim, d), dtype)
-        # name: (shape, the split axis of its input, of its output)
-        kernels = {n_: ((d, d), None, heads) for n_ in "qkv"}
-        kernels |= {"o": ((d, d), heads, None), "fc1": ((d, m), None, mlp), "fc2": ((m, d), mlp, None)}
-        for name, (shape, split_in, split_out) in kernels.items():
-            setattr(
-                self, name + "_kernel", _param(rngs, (n, *shape), dtype, axes=(None, split_in, split_out))
-            )
-            setattr(self, name + "_bias", _param(rngs, (n, shape[1]), dtype, "zeros", (None, split_out)))
-        for name in ("ln1", "ln2"):
-            setattr(self, name + "_weight", _param(rngs, (n, d), dtype, "ones"))
-            setattr(self, name + "_bias", _param(rngs, (n, d), dtype, "zeros"))
-        self.merger_ln_weight = _param(rngs, (d,), dtype, "ones")
-        self.merger_ln_bias = _param(rngs, (d,), dtype, "zeros")
-        self.merger_fc1_kernel = _param(rngs, (v.merge_dim, v.merge_dim), dtype)
-        self.merger_fc1_bias = _param(rngs, (v.merge_dim,), dtype, "zeros")
-        self.merger_fc2_kernel = _param(rngs, (v.merge_dim, v.out_hidden), dtype)
-        self.merger_fc2_bias = _param(rngs, (v.out_hidden,), dtype, "zeros")
+        d = v.embed_dim
+        self.patch_kernel = param(rngs, (v.patch_dim, d), dtype)
+        self._block_names = add_block_params(self, rngs, (v.depth, d, v.intermediate_size), dtype, v.tp_split)
+        self.merger_ln_weight = param(rngs, (d,), dtype, "ones")
+        self.merger_ln_bias = param(rngs, (d,), dtype, "zeros")
+        add_merger_params(self, rngs, v, dtype)
 
     def stacked(self) -> dict[str, jax.Array]:
-        names = [f"{p}_{s}" for p in ("q", "k", "v", "o", "fc1", "fc2") for s in ("kernel", "bias")]
-        names += [f"{p}_{s}" for p in ("ln1", "ln2") for s in ("weight", "bias")]
-        return {name: getattr(self, name).value for name in names}
+        return stacked_params(self, self._block_names)
+
+
+def add_merger_params(module: nnx.Module, rngs: nnx.Rngs, v: Qwen2VLVisionArgs, dtype) -> None:
+    """The patch merger's MLP (whole on each device): merge block -> merge block -> text width."""
+    module.merger_fc1_kernel = param(rngs, (v.merge_dim, v.merge_dim), dtype)
+    module.merger_fc1_bias = param(rngs, (v.merge_dim,), dtype, "zeros")
+    module.merger_fc2_kernel = param(rngs, (v.merge_dim, v.out_hidden), dtype)
+    module.merger_fc2_bias = param(rngs, (v.out_hidden,), dtype, "zeros")
 
 
 def _rope_tables(v: Qwen2VLVisionArgs, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -138,8 +130,13 @@ def _rope_tables(v: Qwen2VLVisionArgs, positions: jax.Array) -> tuple[jax.Array,
 
 
 def _merge(tower: Qwen2VisionTower, v: Qwen2VLVisionArgs, x: jax.Array) -> jax.Array:
-    """PatchMerger: LayerNorm, each merge block's patches side by side, Linear, exact GELU, Linear."""
-    x = layer_norm(x, tower.merger_ln_weight.value, tower.merger_ln_bias.value, _EPS)
+    """PatchMerger: LayerNorm, then merger_mlp."""
+    return merger_mlp(tower, v, layer_norm(x, tower.merger_ln_weight.value, tower.merger_ln_bias.value, _EPS))
+
+
+def merger_mlp(tower: nnx.Module, v: Qwen2VLVisionArgs, x: jax.Array) -> jax.Array:
+    """The patch merger after its norm: each merge block's patches side by side, Linear, exact
+    GELU, Linear (add_merger_params' weights) -> [blocks, text width] float32."""
     x = x.reshape(-1, v.merge_dim)
     h = jax.nn.gelu(x @ tower.merger_fc1_kernel.value + tower.merger_fc1_bias.value, approximate=False)
     out = jnp.dot(h, tower.merger_fc2_kernel.value, preferred_element_type=jnp.float32)
@@ -157,24 +154,16 @@ def encode_image(
     positions [N, 2] int32 -> [N // merge**2, out_hidden] float32, transformers' pooler_output
     for the image's num_valid patches in the first num_valid // merge**2 rows (the rest zero)."""
     dtype = tower.patch_kernel.value.dtype
-    n, heads, head_dim = patches.shape[0], v.num_heads, v.head_dim
-    valid = jnp.arange(n) < num_valid
-    patches = jnp.where(valid[:, None], patches, 0).astype(dtype)
-    x = patches @ tower.patch_kernel.value
-    per_freq, inv_freq = _rope_tables(v, positions)
+    valid = jnp.arange(patches.shape[0]) < num_valid
+    x = jnp.where(valid[:, None], patches, 0).astype(dtype) @ tower.patch_kernel.value
+    rope = _rope_tables(v, positions)
     act = ACTIVATIONS[v.hidden_act]
 
+    def norm(x, w, name):
+        return layer_norm(x, w[name + "_weight"], w[name + "_bias"], _EPS)
+
     def layer(x, w):
-        h = layer_norm(x, w["ln1_weight"], w["ln1_bias"], _EPS)
-        q, k, val = ((h @ w[f"{p}_kernel"] + w[f"{p}_bias"]).reshape(n, heads, head_dim) for p in "qkv")
-        q, k = apply_rope(q, per_freq, inv_freq), apply_rope(k, per_freq, inv_freq)
-        scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * head_dim**-0.5
-        scores = jnp.where(valid[None, None, :], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        attn = jnp.einsum("hqk,khd->qhd", probs, val).reshape(x.shape)
-        x = x + attn @ w["o_kernel"] + w["o_bias"]
-        h = layer_norm(x, w["ln2_weight"], w["ln2_bias"], _EPS)
-        return x + act(h @ w["fc1_kernel"] + w["fc1_bias"]) @ w["fc2_kernel"] + w["fc2_bias"], None
+        return block(x, w, v.num_heads, act, norm, rope, valid), None
 
     x, _ = jax.lax.scan(layer, x, tower.stacked())
     out = _merge(tower, v, x)

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.numpy import load_file  # noqa: E402
 
+from jaxserve.layers import vit  # noqa: E402
 from jaxserve.models import qwen2_vl  # noqa: E402
 from jaxserve.models.qwen2_vl import (  # noqa: E402
     Qwen2VisionTower,
@@ -237,9 +238,9 @@ def test_mutations_are_caught(loaded, monkeypatch):
     unmasked = _ENCODE(tower, v, jnp.asarray(padded), jnp.asarray(pos), jnp.int32(bucket))
     assert far(np.asarray(unmasked)[: len(want)])
 
-    rope = qwen2_vl.apply_rope
+    rope = vit.apply_rope
     with monkeypatch.context() as m:  # the rotation on interleaved pairs instead of halves
-        m.setattr(qwen2_vl, "apply_rope", lambda x, p, f: _interleaved(rope, x, p, f))
+        m.setattr(vit, "apply_rope", lambda x, p, f: _interleaved(rope, x, p, f))
         assert far(_ours(v, tower, patches, grid, encode=encode_image))
     merge, norm = qwen2_vl._merge, qwen2_vl.layer_norm
 
