@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import json
 import re
 
 import jax
@@ -280,3 +281,67 @@ def classifier_logits(model, ids: list[int]) -> np.ndarray:
 
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].double().numpy()
+
+
+def qwen_vl_reference(model, image_processor, tokenizer, prompt: str, images: list, max_tokens: int):
+    """transformers' (Qwen2-VL / Qwen2.5-VL) prompt tokens, greedy tokens and first-step logprobs
+    for a prompt whose `<|image_pad|>` placeholders stand for `images` (expanded to each image's
+    count, as its processor does)."""
+    import torch
+
+    pad = "<|image_pad|>"
+    inputs = {}
+    if images:
+        pixels = image_processor(images=images, return_tensors="pt")
+        merge = image_processor.merge_size**2
+        counts = iter((pixels["image_grid_thw"].prod(-1) // merge).tolist())
+        prompt = "".join(
+            p + (pad * next(counts) if i < len(images) else "") for i, p in enumerate(prompt.split(pad))
+        )
+        inputs = {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    inputs |= {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    inputs["mm_token_type_ids"] = (ids == tokenizer.convert_tokens_to_ids(pad)).int()
+    with torch.no_grad():
+        out = model.generate(
+            **inputs,
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    first = torch.log_softmax(out.logits[0][0].double(), -1).numpy()
+    return ids[0].tolist(), out.sequences[0, ids.shape[1] :].tolist(), first
+
+
+def load_vision_tower(path, args_cls, tower_cls, weight_map, split_tensor):
+    """A vision tower from a saved checkpoint's `visual.*` tensors, as the loader reads them:
+    split, mapped, transposed and stacked per layer; every mapped tensor present and every
+    vision tensor mapped. (args, tower)."""
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file
+
+    v = args_cls.from_hf(json.loads((path / "config.json").read_text()))
+    table = weight_map(v)
+    tower = nnx.eval_shape(lambda: tower_cls(v, jnp.float32, nnx.Rngs(0)))  # every value is read
+    buffers: dict[str, np.ndarray] = {}
+    filled = set()
+    for file in sorted(path.glob("*.safetensors")):
+        for raw_name, raw in load_file(str(file)).items():
+            for name, tensor in split_tensor(raw_name, raw) if raw_name.startswith("visual.") else ():
+                ours, index, transpose = table[name]
+                attr = ours.removeprefix("vision.")
+                tensor = tensor.T if transpose else tensor
+                if index is None:
+                    buffers[attr] = tensor
+                else:
+                    buffers.setdefault(attr, np.zeros(getattr(tower, attr).value.shape, np.float32))[
+                        index
+                    ] = tensor
+                filled.add(name)
+    assert filled == set(table)
+    assert set(buffers) == {k for k, val in vars(tower).items() if isinstance(val, nnx.Param)}
+    for attr, value in buffers.items():
+        assert value.shape == getattr(tower, attr).value.shape, attr
+        getattr(tower, attr).value = jnp.asarray(value)
+    return v, tower

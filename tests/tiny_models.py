@@ -282,10 +282,20 @@ TINY_QWEN2_VL_PREPROCESSOR = {
 }
 
 
-def make_qwen2_vl_checkpoint(path, seed: int = 0):
-    """Save a tiny random Qwen2VLForConditionalGeneration (M-RoPE sections 2, 3, 3 of its 8
-    frequencies) with a tokenizer that knows the vision tokens, a Qwen2-style chat template and
-    the image processor's config; return (the torch model, transformers' image processor)."""
+# A tiny Qwen2.5-VL encoder: 4x4-pixel patches, 2x2 merged, windows of 16 pixels (2x2 merged units
+# each); three blocks, the middle one over the whole image
+TINY_QWEN2_5_VL_VISION = dict(
+    depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, temporal_patch_size=2,
+    spatial_merge_size=2, in_channels=3, window_size=16, out_hidden_size=64, fullatt_block_indexes=[1],
+    hidden_act="silu",
+)  # fmt: skip
+
+
+def make_qwen2_vl_checkpoint(path, seed: int = 0, family: str = "Qwen2VL"):
+    """Save a tiny random Qwen2VLForConditionalGeneration (or, family "Qwen2_5_VL", Qwen2.5-VL's;
+    M-RoPE sections 2, 3, 3 of its 8 frequencies; norms off the identity) with a tokenizer that
+    knows the vision tokens, a Qwen2-style chat template and the image processor's config; return
+    (the torch model, transformers' image processor)."""
     import json
 
     import torch
@@ -303,18 +313,21 @@ def make_qwen2_vl_checkpoint(path, seed: int = 0):
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
     }
     torch.manual_seed(seed)
-    config = transformers.Qwen2VLConfig(
+    vision = TINY_QWEN2_VL_VISION if family == "Qwen2VL" else TINY_QWEN2_5_VL_VISION
+    config = getattr(transformers, f"{family}Config")(
         text_config=text,
-        vision_config=TINY_QWEN2_VL_VISION,
+        vision_config=vision,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     )
-    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    model = getattr(transformers, f"{family}ForConditionalGeneration")(config).eval()
     with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
+        for name, p in model.named_parameters():
+            if p.ndim < 2 and ("norm" in name or "ln_q" in name) and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif p.ndim >= 2:
                 p.normal_(0.0, 0.08)
             else:
                 p.add_(torch.randn_like(p) * 0.1)

@@ -10,26 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tiny_models import (
-    QWEN2_VL_CHAT_TEMPLATE,
-    QWEN2_VL_TOKENS,
-    TINY_LLAMA,
-    TINY_QWEN2_VL_PREPROCESSOR,
-    engine_kwargs,
-    make_tokenizer,
-)
+from reference_checks import load_vision_tower, qwen_vl_reference
+from tiny_models import TINY_QWEN2_5_VL_VISION, engine_kwargs, make_qwen2_vl_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
-from safetensors.numpy import load_file  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.models.qwen2_5_vl import (  # noqa: E402
@@ -43,97 +35,24 @@ from jaxserve.multimodal import vision_positions  # noqa: E402
 from jaxserve.multimodal.qwen2_5_vl_windows import merger_window, window_inputs, window_order  # noqa: E402
 
 MERGE = 2
-# 4x4-pixel patches, 2x2 merged, windows of 16 pixels: 2x2 merged units (4x4 patches) each; three
-# blocks, the middle one over the whole image
-TINY_VISION = dict(
-    depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, temporal_patch_size=2,
-    spatial_merge_size=MERGE, in_channels=3, window_size=16, out_hidden_size=64, fullatt_block_indexes=[1],
-    hidden_act="silu",
-)  # fmt: skip
+TINY_VISION = TINY_QWEN2_5_VL_VISION
 # (h, w) in patches: 5x7 units in 3x4 windows (the last row and column short), 4x4 in exactly 2x2,
 # 2x3 in 1x2, 9x4 in 5x2
 GRIDS = [(10, 14), (8, 8), (4, 6), (18, 8)]
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def make_qwen2_5_vl_checkpoint(path, seed: int = 0):
-    """Save a tiny random Qwen2_5_VLForConditionalGeneration (M-RoPE sections 2, 3, 3 of its 8
-    frequencies; its norms off the identity) with a tokenizer that knows the vision tokens, a
-    Qwen2-style chat template and the image processor's config; return (the torch model,
-    transformers' image processor)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    tokenizer = make_tokenizer(512)
-    tokenizer.add_special_tokens({"additional_special_tokens": QWEN2_VL_TOKENS})
-    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_TOKENS}
-    text = {
-        **TINY_LLAMA,
-        "vocab_size": -(-len(tokenizer) // 8) * 8,
-        "max_position_embeddings": 1024,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-    }
-    torch.manual_seed(seed)
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=TINY_VISION,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, 0.08)
-            elif "norm" in name or "ln_q" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
-        json.dump(TINY_QWEN2_VL_PREPROCESSOR, f)
-    settings = {k: v for k, v in TINY_QWEN2_VL_PREPROCESSOR.items() if k != "image_processor_type"}
-    return model, Qwen2VLImageProcessorPil(**settings)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen2_5_vl")
-    model, image_processor = make_qwen2_5_vl_checkpoint(path)
+    model, image_processor = make_qwen2_vl_checkpoint(path, family="Qwen2_5_VL")
     return path, model, image_processor
 
 
 def load_tower(path: Path) -> tuple[Qwen2_5_VLVisionArgs, Qwen2_5_VisionTower]:
-    """Our tower from the saved checkpoint, as the loader reads it: tensors split, mapped,
-    transposed and stacked per layer; every mapped tensor present and every vision tensor mapped."""
-    v = Qwen2_5_VLVisionArgs.from_hf(json.loads((path / "config.json").read_text()))
-    table = vision_weight_map(v)
-    tower = nnx.eval_shape(lambda: Qwen2_5_VisionTower(v, jnp.float32, nnx.Rngs(0)))  # every value read
-    buffers: dict[str, np.ndarray] = {}
-    filled = set()
-    for file in sorted(path.glob("*.safetensors")):
-        for raw_name, raw in load_file(str(file)).items():
-            if not raw_name.startswith("visual."):
-                continue
-            for name, tensor in split_vision_tensor(raw_name, raw):
-                ours, index, transpose = table[name]
-                tensor = tensor.T if transpose else tensor
-                attr = ours.removeprefix("vision.")
-                if index is None:
-                    buffers[attr] = tensor
-                else:
-                    shape = getattr(tower, attr).value.shape
-                    buffers.setdefault(attr, np.zeros(shape, np.float32))[index] = tensor
-                filled.add(name)
-    assert filled == set(table)
-    assert set(buffers) == {k for k, val in vars(tower).items() if isinstance(val, nnx.Param)}
-    for attr, value in buffers.items():
-        assert value.shape == getattr(tower, attr).value.shape, attr
-        getattr(tower, attr).value = jnp.asarray(value)
-    return v, tower
+    return load_vision_tower(
+        path, Qwen2_5_VLVisionArgs, Qwen2_5_VisionTower, vision_weight_map, split_vision_tensor
+    )
 
 
 @pytest.fixture(scope="module")
@@ -279,33 +198,6 @@ CASES = [
 ]
 
 
-def _generate_reference(model, image_processor, tokenizer, prompt: str, images: list, max_tokens: int):
-    """transformers' prompt tokens, greedy tokens and first-step logprobs."""
-    pad = "<|image_pad|>"
-    inputs = {}
-    if images:
-        pixels = image_processor(images=images, return_tensors="pt")
-        merge = image_processor.merge_size**2
-        counts = iter((pixels["image_grid_thw"].prod(-1) // merge).tolist())
-        prompt = "".join(
-            p + (pad * next(counts) if i < len(images) else "") for i, p in enumerate(prompt.split(pad))
-        )
-        inputs = {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    inputs |= {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    inputs["mm_token_type_ids"] = (ids == tokenizer.convert_tokens_to_ids(pad)).int()
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    first = torch.log_softmax(out.logits[0][0].double(), -1).numpy()
-    return ids[0].tolist(), out.sequences[0, ids.shape[1] :].tolist(), first
-
-
 def test_image_prompts_match_transformers(checkpoint):
     path, model, image_processor = checkpoint
     llm = LLM(model=str(path), **engine_kwargs())  # a 64-token budget: images span chunks
@@ -317,7 +209,7 @@ def test_image_prompts_match_transformers(checkpoint):
     outs = llm.generate(requests, params, use_tqdm=False)
     for (prompt, n), out in zip(CASES, outs, strict=True):
         images = [IMAGES[i] for i in n]
-        ids, tokens, first = _generate_reference(model, image_processor, tokenizer, prompt, images, 8)
+        ids, tokens, first = qwen_vl_reference(model, image_processor, tokenizer, prompt, images, 8)
         assert list(out.prompt_token_ids) == ids, prompt
         assert list(out.outputs[0].token_ids) == tokens, prompt
         for token, lp in out.outputs[0].logprobs[0].items():

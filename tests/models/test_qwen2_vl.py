@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from reference_checks import qwen_vl_reference
 from tiny_models import engine_kwargs, make_qwen2_vl_checkpoint
 
 torch = pytest.importorskip("torch")
@@ -38,33 +39,6 @@ def vlm(tmp_path_factory):
     return model, image_processor, llm
 
 
-def _reference(model, image_processor, tokenizer, prompt: str, images: list, max_tokens: int):
-    """transformers' prompt tokens, greedy tokens and first-step logprobs."""
-    pad = "<|image_pad|>"
-    inputs = {}
-    if images:
-        pixels = image_processor(images=images, return_tensors="pt")
-        merge = image_processor.merge_size**2
-        counts = iter((pixels["image_grid_thw"].prod(-1) // merge).tolist())
-        prompt = "".join(
-            p + (pad * next(counts) if i < len(images) else "") for i, p in enumerate(prompt.split(pad))
-        )
-        inputs = {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    inputs |= {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    inputs["mm_token_type_ids"] = (ids == tokenizer.convert_tokens_to_ids(pad)).int()
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    first = torch.log_softmax(out.logits[0][0].double(), -1).numpy()
-    return ids[0].tolist(), out.sequences[0, ids.shape[1] :].tolist(), first
-
-
 def test_image_prompts_match_transformers(vlm):
     model, image_processor, llm = vlm
     tokenizer = llm.get_tokenizer()
@@ -74,7 +48,9 @@ def test_image_prompts_match_transformers(vlm):
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=5, ignore_eos=True)
     outs = llm.generate(requests, params, use_tqdm=False)
     for (prompt, n), out in zip(CASES, outs, strict=True):
-        ids, tokens, first = _reference(model, image_processor, tokenizer, prompt, [IMAGES[i] for i in n], 8)
+        ids, tokens, first = qwen_vl_reference(
+            model, image_processor, tokenizer, prompt, [IMAGES[i] for i in n], 8
+        )
         assert list(out.prompt_token_ids) == ids, prompt
         assert list(out.outputs[0].token_ids) == tokens, prompt
         for token, lp in out.outputs[0].logprobs[0].items():
@@ -93,6 +69,6 @@ def test_chat_with_an_image(vlm):
         tokenize=False,
         add_generation_prompt=True,
     )
-    ids, tokens, _ = _reference(model, image_processor, llm.get_tokenizer(), text, [IMAGES[1]], 6)
+    ids, tokens, _ = qwen_vl_reference(model, image_processor, llm.get_tokenizer(), text, [IMAGES[1]], 6)
     assert list(out.prompt_token_ids) == ids
     assert list(out.outputs[0].token_ids) == tokens

@@ -16,7 +16,7 @@ from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from safetensors.numpy import load_file  # noqa: E402
+from reference_checks import load_vision_tower  # noqa: E402
 
 from jaxserve.layers import vit  # noqa: E402
 from jaxserve.models import qwen2_vl  # noqa: E402
@@ -79,33 +79,9 @@ def checkpoint(tmp_path_factory):
 
 
 def load_tower(path: Path) -> tuple[Qwen2VLVisionArgs, Qwen2VisionTower]:
-    """Our tower from the saved checkpoint, as the loader reads it: tensors split, mapped,
-    transposed and stacked per layer; every mapped tensor present and every vision tensor mapped."""
-    v = Qwen2VLVisionArgs.from_hf(json.loads((path / "config.json").read_text()))
-    table = vision_weight_map(v)
-    tower = nnx.eval_shape(lambda: Qwen2VisionTower(v, jnp.float32, nnx.Rngs(0)))  # every value read
-    buffers: dict[str, np.ndarray] = {}
-    filled = set()
-    for file in sorted(path.glob("*.safetensors")):
-        for raw_name, raw in load_file(str(file)).items():
-            if not raw_name.startswith("visual."):
-                continue
-            for name, tensor in split_vision_tensor(raw_name, raw):
-                ours, index, transpose = table[name]
-                tensor = tensor.T if transpose else tensor
-                attr = ours.removeprefix("vision.")
-                if index is None:
-                    buffers[attr] = tensor
-                else:
-                    buffers.setdefault(attr, np.zeros(getattr(tower, attr).value.shape, np.float32))[
-                        index
-                    ] = tensor
-                filled.add(name)
-    assert filled == set(table)
-    for attr, value in buffers.items():
-        assert value.shape == getattr(tower, attr).value.shape, attr
-        getattr(tower, attr).value = jnp.asarray(value)
-    return v, tower
+    return load_vision_tower(
+        path, Qwen2VLVisionArgs, Qwen2VisionTower, vision_weight_map, split_vision_tensor
+    )
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 prompts with tensor parallelism 2 (the encoder's heads and MLP split over the devices like the
 decoder's) and 4 (the encoders' 2 heads do not split four ways: each device holds the whole
 encoder), and with 2 pipeline stages x 2 (the decoder's layers staged, the encoder beside them),
-for Idefics3 (tiles) and Qwen2-VL (patches and M-RoPE positions).
+for Idefics3 (tiles), Qwen2-VL (patches and M-RoPE positions) and Qwen2.5-VL (windows).
 
 The device count is fixed when JAX starts, so the engines run in one fresh subprocess."""
 
@@ -13,6 +13,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from reference_checks import qwen_vl_reference
 from tiny_models import make_idefics3_checkpoint, make_qwen2_vl_checkpoint, run_on_fake_devices
 
 torch = pytest.importorskip("torch")
@@ -24,6 +25,7 @@ PROMPTS = {
     "idefics3": ["Look <image> and tell", "A <image> B"],
     "qwen2_vl": [f"Look {QWEN_IMAGE} and tell", f"A {QWEN_IMAGE} B"],
 }
+PROMPTS["qwen2_5_vl"] = PROMPTS["qwen2_vl"]
 
 SCRIPT = textwrap.dedent(
     """
@@ -64,25 +66,15 @@ def _idefics3_reference(path, images) -> list[list[int]]:
     return expected
 
 
-def _qwen2_vl_reference(path, images) -> list[list[int]]:
+def _qwen_reference(path, images, family: str) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    model, image_processor = make_qwen2_vl_checkpoint(path)
+    model, image_processor = make_qwen2_vl_checkpoint(path, family=family)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    pad = "<|image_pad|>"
-    expected = []
-    for image, prompt in zip(images, PROMPTS["qwen2_vl"], strict=True):
-        pixels = image_processor(images=[image], return_tensors="pt")
-        count = int(pixels["image_grid_thw"].prod()) // image_processor.merge_size**2
-        ids = torch.tensor([tokenizer.encode(prompt.replace(pad, pad * count))])
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels["pixel_values"],
-                image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(ids == tokenizer.convert_tokens_to_ids(pad)).int(),
-                max_new_tokens=8, do_sample=False,
-            )  # fmt: skip
-        expected.append(out[0, ids.shape[1] :].tolist())
-    return expected
+    prompts = PROMPTS["qwen2_vl"]
+    return [
+        qwen_vl_reference(model, image_processor, tokenizer, p, [im], 8)[1] for p, im in zip(prompts, images)
+    ]
 
 
 def test_image_prompts_under_tensor_and_pipeline_parallelism(tmp_path):
@@ -90,14 +82,16 @@ def test_image_prompts_under_tensor_and_pipeline_parallelism(tmp_path):
         Image.fromarray(np.random.RandomState(i).randint(0, 256, (h, w, 3), np.uint8))
         for i, (h, w) in enumerate(SIZES)
     ]
-    paths = {"idefics3": tmp_path / "idefics3", "qwen2_vl": tmp_path / "qwen2_vl"}
+    paths = {name: tmp_path / name for name in ("idefics3", "qwen2_vl", "qwen2_5_vl")}
     expected = {"idefics3": _idefics3_reference(paths["idefics3"], images)}
-    expected["qwen2_vl"] = _qwen2_vl_reference(paths["qwen2_vl"], images)
+    expected["qwen2_vl"] = _qwen_reference(paths["qwen2_vl"], images, "Qwen2VL")
+    expected["qwen2_5_vl"] = _qwen_reference(paths["qwen2_5_vl"], images, "Qwen2_5_VL")
     paths = {k: str(v) for k, v in paths.items()}
     out = run_on_fake_devices(SCRIPT, json.dumps(paths), json.dumps(SIZES), json.dumps(PROMPTS))
     report = json.loads(out.strip().splitlines()[-1])
-    layers, width = 2, 32  # both encoders: 2 layers, 32 wide, 2 heads
+    width = 32  # every encoder: 32 wide, 2 heads (2 layers, Qwen2.5-VL's 3)
     for family in paths:
+        layers = 3 if family == "qwen2_5_vl" else 2
         assert report[f"{family} 2x1"]["q_shard"] == [[layers, width, width // 2]]  # heads split two ways
         assert report[f"{family} 4x1"]["q_shard"] == [[layers, width, width]]  # 2 heads: whole on each device
         assert report[f"{family} 2x2"]["q_shard"] == [[layers, width, width // 2]]
