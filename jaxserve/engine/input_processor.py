@@ -109,14 +109,7 @@ class InputProcessor:
             raise ValueError("priority is only honoured with scheduling_policy='priority'.")
         if self._pools(params):
             return self._pooling_request(request_id, prompt, params, priority, arrival_time)
-        embeds = self._prompt_embeds(prompt, params)
-        images = self._with_images(prompt)
-        if embeds is not None:
-            text, token_ids = None, [0] * len(embeds)
-        elif images is not None:
-            text, token_ids, images = images
-        else:
-            text, token_ids = self.tokenize_prompt(prompt)
+        text, token_ids, embeds, images = self._prompt_tokens(prompt, params)
         room = self._check_prompt_length(token_ids)
         self._check_logprobs(params)
         # compiled here, before anything is queued: a bad schema fails the request, never a step
@@ -128,7 +121,9 @@ class InputProcessor:
         spec, bad_words = self._logits_spec(params)
         self._check_masked(params, bad_words)
         best_of = params.best_of or params.n
-        parent_digest = None if embeds is None else hashlib.sha256(embeds.tobytes()).digest()
+        # the root of the prompt's prefix-cache chain: what its rows are beside its tokens
+        digest = images.digest if images is not None else None
+        digest = hashlib.sha256(embeds.tobytes()).digest() if embeds is not None else digest
         parent = ParentRequest(
             request_id,
             text,
@@ -144,10 +139,7 @@ class InputProcessor:
         for i in range(best_of):
             child = self._child(parent, i, params, priority, room)
             child.logits_spec, child.bad_words = spec, bad_words
-            if embeds is not None:
-                child.prompt_embeds, child.embeds_digest = embeds, parent_digest
-            if images is not None:
-                child.images, child.embeds_digest = images, images.digest
+            child.prompt_embeds, child.images, child.embeds_digest = embeds, images, digest
             if grammar is not None:
                 matcher = grammar if i == 0 else grammar.deep_copy()
                 prompt_ids, accepted = (
@@ -161,6 +153,18 @@ class InputProcessor:
                 det = IncrementalDetokenizer(self.tokenizer, child)
             parent.detokenizers.append(det)
         return parent
+
+    def _prompt_tokens(
+        self, prompt: PromptType, params
+    ) -> tuple[str | None, list[int], np.ndarray | None, object]:
+        """(text, token ids, the prompt's embeddings if given so, its images' RequestImages)."""
+        embeds = self._prompt_embeds(prompt, params)
+        if embeds is not None:
+            return None, [0] * len(embeds), embeds, None
+        images = self._with_images(prompt)
+        if images is not None:
+            return *images[:2], None, images[2]
+        return *self.tokenize_prompt(prompt), None, None
 
     def _pools(self, params: SamplingParams | PoolingParams) -> bool:
         """Whether the request is a pooling one; ValueError when the model serves the other kind."""

@@ -144,10 +144,6 @@ class LLMEngine:
     def eos_token_id(self) -> int | None:
         return self.input_processor.eos_token_id
 
-    @property
-    def extra_eos_ids(self) -> set[int]:
-        return self.input_processor.extra_eos_ids
-
     # ---- requests ------------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -157,9 +153,7 @@ class LLMEngine:
         self.input_processor.check_prompt_token_ids(token_ids)
 
     def expand_images(self, prompt: Mapping) -> dict:
-        """A prompt with images with their placeholders expanded and the images processed
-        (InputProcessor.expand_images); ValueError on bad images."""
-        return self.input_processor.expand_images(prompt)
+        return self.input_processor.expand_images(prompt)  # (ValueError on bad images)
 
     def add_request(
         self,

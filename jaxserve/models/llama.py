@@ -312,7 +312,7 @@ class LlamaForCausalLM(CausalLM):
             return (x, kv_pool), None
 
         rotary = positions  # M-RoPE: each frequency turns by one of the token's three positions
-        if a.mrope_rows:
+        if a.mrope_rows and rope_positions is not None:  # (without them: text, all three alike)
             rotary = jnp.take(rope_positions, jnp.asarray(a.mrope_rows), axis=0).T
         shared = {"positions": rotary, "lora": lora, "inv_freq": inv_freq}
         return run_layers(layer, x, kv_pool, xs, whole, meta, shared)

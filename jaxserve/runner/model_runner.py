@@ -20,11 +20,9 @@ import logging
 import operator
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -34,7 +32,7 @@ from jaxserve.layers.linear import tile_q4_stacks
 from jaxserve.loader.model_loader import build_model_args, load_model
 from jaxserve.lora.adapter import LoRAAdapter
 from jaxserve.runner import batch as batch_lib
-from jaxserve.runner import executable_cache, kv_scales
+from jaxserve.runner import executable_cache, kv_calibration
 from jaxserve.runner import sleep as sleep_mode
 from jaxserve.runner.bucket_compiles import BucketCompiles
 from jaxserve.runner.image_encoder import ImageEncoder
@@ -42,11 +40,11 @@ from jaxserve.runner.kv_cache import allocate_kv_pool
 from jaxserve.runner.lora_writer import LoRAWriter
 from jaxserve.runner.offload import offload_layers
 from jaxserve.runner.processor_slots import ProcessorSlots
-from jaxserve.runner.step import StepResult, StepVariant, forward
+from jaxserve.runner.step import StepResult, StepVariant
 from jaxserve.runner.step_cache import StepCache
 from jaxserve.runner.step_programs import StepLayout, StepPrograms, abstract
 from jaxserve.runner.swap import SwapBuffers
-from jaxserve.scheduler_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from jaxserve.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.sharding import mesh_for
 from pallas_kernels import native
 
@@ -110,12 +108,6 @@ class ModelRunner:
             stored_as=(self._model_name, repr(self.args), ("native kernels", self.native_kernels)),
         )
         self.compiles = BucketCompiles(self.buckets, self._compile_plain)
-        # A vision-language model's image encoder and its cache (runner/image_encoder.py)
-        self.images = (
-            ImageEncoder(self.graphdef, self.mesh, config.model_config.mm_cache_bytes)
-            if getattr(self.args, "vision", None) is not None
-            else None
-        )
         # Several processes (jax.distributed): process 0 publishes every call the others must
         # replay (jaxserve/distributed.py); they run the same programs on their own devices.
         self.channel = None
@@ -133,9 +125,13 @@ class ModelRunner:
             self.kv_pool = allocating.result()
 
     def _load_weights(self, entry) -> None:
-        """The weights on the mesh (graphdef, state), the LoRA slots' writer and their adapters."""
+        """The weights on the mesh (graphdef, state), the LoRA slots' writer and their adapters; a
+        vision-language model's image encoder and its cache (runner/image_encoder.py)."""
         start = time.perf_counter()
         self.graphdef, self.state = self._load()
+        mm_cache = self.config.model_config.mm_cache_bytes
+        vision = getattr(self.args, "vision", None) is not None
+        self.images = ImageEncoder(self.graphdef, self.mesh, mm_cache) if vision else None
         self.state, offloaded = offload_layers(self.state, self.config.cache_config.cpu_offload_gb)
         self.lora = LoRAWriter(self.state, self.args, self.mesh)
         lora = self.config.lora_config
@@ -283,38 +279,11 @@ class ModelRunner:
 
     def calibrate_kv_scales(self, token_ids: Sequence[int]) -> None:
         """Set a quantized pool's scales from the keys and values the model writes over
-        `token_ids` (a prefill into a float32 pool of their own; kv_scales.py)."""
+        `token_ids` (runner/kv_calibration.py)."""
         if self.channel is not None:
             self.channel.publish("calibrate_kv_scales", token_ids)
         ids = tuple(token_ids[: self.config.scheduler_config.max_model_len])
-        blocks = -(-len(ids) // self.page_size)
-        spec = dataclasses.replace(self.kv_spec, dtype=jnp.dtype(jnp.float32))
-        pool = allocate_kv_pool(spec, blocks + 1, self.mesh, log=False)
-        seq = ScheduledSeq("calibration", ids, 0, tuple(range(1, blocks + 1)), None)
-        inputs = batch_lib.prepare(
-            SchedulerOutput(seqs=(seq,)),
-            len(ids),
-            1,
-            self.page_size,
-            blocks,
-            (blocks + 1) * self.args.num_layers * self.page_size,
-            self.attention_backend,
-        )
-        run = jax.jit(partial(forward, graphdef=self.graphdef, variant=StepVariant(), num_top_logprobs=1))
-        with jax.set_mesh(self.mesh):
-            pool, *_ = run(self.state, pool, self._last_tokens, jax.device_put(inputs, self._replicated))
-        # [layers * pages, 2 * heads, page, head_dim] -> largest |k| and |v| of each layer
-        amax = jnp.abs(pool).reshape(
-            self.args.num_layers, -1, spec.num_kv_heads, 2, spec.page_size, spec.head_dim
-        )
-        amax = np.asarray(jnp.max(amax, axis=(1, 2, 4, 5)))
-        self.kv_scales = kv_scales.scales_from_amax(amax, self.kv_spec.dtype.name)
-        logger.info(
-            "KV cache scales (%s) measured over %d tokens: keys %.3g-%.3g, values %.3g-%.3g",
-            self.kv_spec.dtype.name, len(ids),
-            self.kv_scales[:, 0].min(), self.kv_scales[:, 0].max(),
-            self.kv_scales[:, 1].min(), self.kv_scales[:, 1].max(),
-        )  # fmt: skip
+        self.kv_scales = kv_calibration.measure(self, ids)
 
     def _load(self) -> tuple[nnx.GraphDef, nnx.State]:
         """The model's weights on the mesh; 4-bit stacks in the native kernel's tiles where it runs."""

@@ -269,7 +269,7 @@ def test_generation_config_sets_request_defaults(tmp_path):
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.3, 3, 5)
     assert defaults.repetition_penalty == 1.15
-    assert llm.llm_engine.extra_eos_ids == {9}
+    assert llm.llm_engine.input_processor.extra_eos_ids == {9}
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) <= 5
     plain = LLM(str(tmp_path), **engine_kwargs(generation_config="vllm")).get_default_sampling_params()
