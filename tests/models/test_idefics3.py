@@ -213,3 +213,35 @@ def test_chat_takes_pil_images_and_image_urls(vlm, tmp_path):
     for out in outs:
         assert list(out.prompt_token_ids) == inputs["input_ids"][0].tolist()
         assert list(out.outputs[0].token_ids) == expected.tolist()
+
+
+def test_mm_processor_kwargs_reach_the_image_processor(vlm):
+    """--mm-processor-kwargs {"do_image_splitting": false}: one tile a picture, as transformers'
+    processor with the same setting makes it, and its answer."""
+    import transformers
+    from tiny_models import TINY_IDEFICS3_PREPROCESSOR
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    path, model, processor, _ = vlm
+    llm = LLM(model=path, mm_processor_kwargs={"do_image_splitting": False}, **engine_kwargs())
+    settings = {k: v for k, v in TINY_IDEFICS3_PREPROCESSOR.items() if k != "image_processor_type"}
+    unsplit = transformers.Idefics3Processor(
+        image_processor=Idefics3ImageProcessorPil(**settings | {"do_image_splitting": False}),
+        tokenizer=processor.tokenizer,
+        image_seq_len=4,
+    )
+    prompt, names = CASES[0]
+    (out,) = llm.generate(
+        [_request(prompt, names)],
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+        use_tqdm=False,
+    )
+    expected, _ = _reference(model, unsplit, prompt, names, 5)
+    assert (
+        list(out.prompt_token_ids)
+        == unsplit(text=[prompt], images=[[IMAGES[n] for n in names]])["input_ids"][0]
+    )
+    assert out.prompt_token_ids.count(processor.tokenizer.convert_tokens_to_ids("<image>")) == 4  # one tile
+    assert list(out.outputs[0].token_ids) == expected
+    with pytest.raises(ValueError, match="do_image_split"):  # refused at start-up
+        LLM(model=path, mm_processor_kwargs={"do_image_split": False}, **engine_kwargs())
