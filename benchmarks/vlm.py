@@ -14,15 +14,16 @@ of a round alternating:
   - TTFT (max_tokens=1) of a 512x512 image and a short question, split as SmolVLM splits it (4x4
     tiles + the global image: 17 tiles) and as one tile (the split replaced by one that does not
     split), with the encoder cache cleared: the image processing (the input processor's
-    `ImagePrompts.expand`), the encoder (`runner.images._encode`) and the rest (the prefill);
+    image prompts' `expand`), the encoder (`runner.images._encode`) and the rest (the prefill);
   - the same request again, its image rows in the encoder cache;
   - a text prompt of as many tokens (random ids);
   - the encoder alone on one image's tiles (`_encode`), 1 and 17 tiles: tiles/s and images/s;
   - decode tok/s of `--decode-tokens` greedy tokens after the split image prompt and after its
     text twin.
-`--tiny` runs the same code on a tiny random model (the benchmark's test).
+`--tiny` runs the same code on a tiny random model (the benchmark's test). On a 2-core CPU the
+full run takes about 7 minutes (a cold 17-tile first token is ~30 s); the checkpoint is 1 GB.
 
-    python benchmarks/vlm.py [--model-dir DIR] [--reps 3] [--decode-tokens 64]
+    python benchmarks/vlm.py [--model-dir DIR] [--reps 3] [--decode-tokens 128]
         [--output-json benchmarks/results/vlm_cpu_smolvlm256m_shape.json]
 """
 
@@ -89,6 +90,10 @@ SMOLVLM_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 QUESTION = "Can you describe this image in a few words?"
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def default_model_dir(tiny: bool) -> str:
@@ -305,11 +310,10 @@ def run(ns: argparse.Namespace) -> dict:
     from PIL import Image
 
     from jaxserve import LLM, SamplingParams
-    from jaxserve.multimodal.idefics3_processor import process_image
-    from jaxserve.multimodal.images import ImageItem, ImagePrompts
     from jaxserve.sampling_params import RequestOutputKind
 
     shape = TINY if ns.tiny else SMOLVLM_256M
+    load_at_start = os.getloadavg()[0]
     gguf = ns.tokenizer_gguf
     if gguf is None:
         from jaxserve.loader.default_model import default_model_path
@@ -318,18 +322,23 @@ def run(ns: argparse.Namespace) -> dict:
     start = time.perf_counter()
     model_dir = build_checkpoint(os.path.expanduser(ns.model_dir or default_model_dir(ns.tiny)), shape, gguf)
     build_s = time.perf_counter() - start
+    log(f"checkpoint {model_dir} ({build_s:.1f} s)")
 
     start = time.perf_counter()
     llm = LLM(model=model_dir, max_model_len=ns.max_model_len, max_num_batched_tokens=ns.max_num_batched_tokens,
               max_num_seqs=ns.max_num_seqs, enable_prefix_caching=False, enforce_eager=ns.enforce_eager,
               use_tqdm_on_load=False, compilation_config={"cache_dir": ""})  # fmt: skip
     startup_s = time.perf_counter() - start
+    log(f"engine started ({startup_s:.1f} s)")
     engine = llm.llm_engine
     runner, processor = engine.runner, engine.input_processor
     encoder = runner.images
     split_prompts = processor.image_prompts
-    one_tile_prompts = ImagePrompts.for_model(
-        model_dir, engine.config.model_config.hf_config, {"do_image_splitting": False}, {}
+    with open(os.path.join(model_dir, "preprocessor_config.json")) as fh:
+        preprocessor = json.load(fh)
+    # the same image prompts without the split (as `--mm-processor-kwargs` would make them)
+    one_tile_prompts = type(split_prompts)(
+        engine.config.model_config.hf_config, preprocessor, {"do_image_splitting": False}, split_prompts.limit
     )
     # the parts of a request's first token: image processing and the encoder, timed where they run
     expand = {id(p): Stopwatch(p.expand) for p in (split_prompts, one_tile_prompts)}
@@ -339,21 +348,19 @@ def run(ns: argparse.Namespace) -> dict:
 
     compiles = []  # backend compiles once timing starts (none expected: every shape is warmed)
     timing = [False]
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **_: (
+
+    def on_compile(event: str, secs: float, **_) -> None:
+        if timing[0] and event == "/jax/core/compile/backend_compile_duration":
             compiles.append(secs)
-            if timing[0] and event == "/jax/core/compile/backend_compile_duration"
-            else None
-        )
-    )
+
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
 
     image = Image.fromarray(
         np.random.default_rng(1).integers(0, 256, (ns.image_size, ns.image_size, 3), np.uint8)
     )
+    tokenizer = llm.get_tokenizer()
     conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
-    prompt_text = llm.get_tokenizer().apply_chat_template(
-        conversation, tokenize=False, add_generation_prompt=True
-    )
+    prompt_text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     image_prompt = {"prompt": prompt_text, "multi_modal_data": {"image": image}}
     counter = itertools.count()
 
@@ -363,7 +370,8 @@ def run(ns: argparse.Namespace) -> dict:
         processor.image_prompts = split_prompts if kind == "split" else one_tile_prompts
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                                 output_kind=RequestOutputKind.DELTA)  # fmt: skip
-        expand[id(processor.image_prompts)].take(), encode.take()
+        expand[id(processor.image_prompts)].take()
+        encode.take()
         begin = time.perf_counter()
         engine.add_request(f"vlm-{next(counter)}", prompt, params)
         first = final = None
@@ -390,8 +398,8 @@ def run(ns: argparse.Namespace) -> dict:
         }
 
     rng = np.random.default_rng(0)
-    special = set(llm.get_tokenizer().all_special_ids)
-    vocab = [i for i in range(len(llm.get_tokenizer())) if i not in special]
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(tokenizer.vocab_size) if i not in special]  # (no added token: no image's)
 
     def text_twin(kind: str) -> dict:
         """A text prompt of as many tokens as the image prompt (random ids, none an image token)."""
@@ -408,15 +416,15 @@ def run(ns: argparse.Namespace) -> dict:
     request(image_prompt, ns.decode_tokens, "split")
     request(twins["split"], ns.decode_tokens)
 
-    config = split_prompts.config
-    tiles = {
-        "one_tile": process_image(image, dataclasses.replace(config, do_image_splitting=False)).pixel_values,
-        "split": process_image(image, config).pixel_values,
+    # the image as the encoder takes it, split and not
+    items = {
+        kind: p.expand([p.image_token_id], [image], tokenizer)[1].items[0]
+        for kind, p in (("one_tile", one_tile_prompts), ("split", split_prompts))
     }
+    tiles = {kind: item.num_rows // split_prompts.rows_per_tile for kind, item in items.items()}
 
     def encode_alone(kind: str) -> float:
-        pixels = tiles[kind]
-        item = ImageItem(os.urandom(32), pixels, pixels.shape[0] * split_prompts.rows_per_tile)
+        item = dataclasses.replace(items[kind], digest=os.urandom(32))  # never in the cache
         start = time.perf_counter()
         encoder._encode(runner.state, [item])
         seconds = time.perf_counter() - start
@@ -427,22 +435,27 @@ def run(ns: argparse.Namespace) -> dict:
     for kind in tiles:
         encode_alone(kind)
 
+    log("warmed up")
     timing[0] = True
     hits, misses = encoder.hits, encoder.misses
     rows = {f"{k}_{p}": [] for k in ("split", "one_tile") for p in ("cold", "warm", "text")}
     encoder_s = {kind: [] for kind in tiles}
     decode = {"after_image": [], "after_text": []}
-    for _ in range(ns.reps):
+    for i in range(ns.reps):
         for kind in ("split", "one_tile"):
             encoder._cache.clear()
             rows[f"{kind}_cold"].append(request(image_prompt, 1, kind))
             rows[f"{kind}_warm"].append(request(image_prompt, 1, kind))
             rows[f"{kind}_text"].append(request(twins[kind], 1))
+            if kind == "split":  # (its image rows still cached: the first token is the prefill's)
+                decode["after_image"].append(request(image_prompt, ns.decode_tokens, "split"))
+                decode["after_text"].append(request(twins["split"], ns.decode_tokens))
         for kind in tiles:
             encoder_s[kind].append(encode_alone(kind))
-        decode["after_image"].append(request(image_prompt, ns.decode_tokens, "split"))
-        decode["after_text"].append(request(twins["split"], ns.decode_tokens))
+        log(f"round {i + 1}/{ns.reps}: cold {rows['split_cold'][-1]['ttft_s']:.2f} s, "
+            f"warm {rows['split_warm'][-1]['ttft_s']:.2f} s, text {rows['split_text'][-1]['ttft_s']:.2f} s")  # fmt: skip
     timing[0] = False
+    jax.monitoring.unregister_event_duration_listener(on_compile)
 
     report = {
         "config": vars(ns),
@@ -452,7 +465,7 @@ def run(ns: argparse.Namespace) -> dict:
             "shape": "tiny" if ns.tiny else "SmolVLM-256M-Instruct",
             "params": param_counts(shape),
             "tokens_per_tile": split_prompts.rows_per_tile,
-            "tiles": {kind: int(t.shape[0]) for kind, t in tiles.items()},
+            "tiles": tiles,
         },
         "build_checkpoint_s": build_s,
         "startup_s": startup_s,
@@ -475,9 +488,9 @@ def run(ns: argparse.Namespace) -> dict:
     for kind, times in encoder_s.items():
         seconds = statistics.median(times)
         report["encoder"][kind] = {
-            "tiles": int(tiles[kind].shape[0]),
+            "tiles": tiles[kind],
             "s_per_image": seconds,
-            "tiles_per_s": tiles[kind].shape[0] / seconds,
+            "tiles_per_s": tiles[kind] / seconds,
             "images_per_s": 1 / seconds,
             "times": times,
         }
@@ -492,6 +505,8 @@ def run(ns: argparse.Namespace) -> dict:
     }
     report["encoder_cache"] = {"hits": encoder.hits - hits, "misses": encoder.misses - misses}
     report["compiles_during_timing"] = {"count": len(compiles), "seconds": sum(compiles)}
+    # (other work on the machine shows here: on 2 cores a load above ~2 is someone else's)
+    report["machine"]["load_average_1m"] = {"start": load_at_start, "end": os.getloadavg()[0]}
     return report
 
 
@@ -543,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--image-size", type=int, default=512, help="the image's side in pixels")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="(one prefill is one chunk)")
     parser.add_argument("--max-num-seqs", type=int, default=4)
