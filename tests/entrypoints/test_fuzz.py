@@ -25,7 +25,7 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from tiny_models import engine_kwargs, make_family_checkpoint
+from tiny_models import engine_kwargs, make_family_checkpoint, make_idefics3_checkpoint
 
 from jaxserve.args import EngineArgs
 from jaxserve.engine.async_engine import AsyncLLMEngine
@@ -42,6 +42,9 @@ pooling_schema = schemathesis.openapi.from_dict(openapi_document()).include(
     path_regex="^/(v1/embeddings|pooling|v2/embed|classify|v1/score|score|rerank|v1/rerank|v2/rerank)$"
 )
 pooling_schema.config.generation.update(modes=list(GenerationMode), max_examples=25)
+# chat with content parts (text and image_url) against a model that takes images
+vlm_schema = schemathesis.openapi.from_dict(openapi_document()).include(path_regex="^/v1/chat/completions$")
+vlm_schema.config.generation.update(modes=list(GenerationMode), max_examples=40)
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 
@@ -89,6 +92,18 @@ def pooling_url(tmp_path_factory):
         yield url
 
 
+@pytest.fixture(scope="module")
+def vlm_url(tmp_path_factory):
+    """A server over a vision-language model (a tiny Idefics3), file:// URLs allowed under an
+    empty directory."""
+    path = tmp_path_factory.mktemp("fuzz_vlm")
+    make_idefics3_checkpoint(path)
+    media = tmp_path_factory.mktemp("fuzz_media")
+    args = EngineArgs(model=str(path), allowed_local_media_path=str(media), **engine_kwargs())
+    with serving(LLMEngine.from_engine_args(args)) as url:
+        yield url
+
+
 @schema.parametrize()
 @settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_no_request_gets_a_5xx_or_an_undocumented_answer(case, base_url):
@@ -105,3 +120,15 @@ def test_no_pooling_request_gets_a_5xx_or_an_undocumented_answer(case, pooling_u
     """The pooling endpoints against a model that serves them (the generation server refuses every
     embedding it is asked for, so only here do the generated inputs reach the engine)."""
     case.call_and_validate(base_url=pooling_url, checks=CHECKS, timeout=30)
+
+
+@vlm_schema.parametrize()
+@settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_no_chat_with_content_parts_gets_a_5xx_or_an_undocumented_answer(case, vlm_url):
+    """Chat requests whose messages hold generated text and image_url parts (URLs of every
+    scheme, data that is no image) against a model that takes images."""
+    if isinstance(case.body, dict):
+        tokens = case.body.get("max_completion_tokens")
+        if tokens is None or (isinstance(tokens, int) and tokens > 4):
+            case.body["max_completion_tokens"] = 4
+    case.call_and_validate(base_url=vlm_url, checks=CHECKS, timeout=30)

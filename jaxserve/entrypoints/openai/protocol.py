@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 import uuid
 from http import HTTPStatus
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 
 from jaxserve.beam_search import BeamSearchParams
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -302,9 +302,35 @@ def prompt_list(p: str | list, field: str) -> list[str | list[int]]:
     return list(p)
 
 
+# A message's content parts as the OpenAPI document describes them (text, and images by URL: data:,
+# file:// under --allowed-local-media-path, http(s)); the server reads any part and answers a
+# part of another type with a 400 (chat_prompt.py).
+CONTENT_PART_SCHEMA = {
+    "oneOf": [
+        {
+            "type": "object",
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+            "required": ["type", "text"],
+        },
+        {
+            "type": "object",
+            "properties": {
+                "type": {"const": "image_url"},
+                "image_url": {
+                    "type": "object",
+                    "properties": {"url": {"type": "string"}, "detail": {"type": "string"}},
+                    "required": ["url"],
+                },
+            },
+            "required": ["type", "image_url"],
+        },
+    ]
+}
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[Annotated[dict[str, Any], WithJsonSchema(CONTENT_PART_SCHEMA)]] | None = None
     name: str | None = None
 
 
