@@ -46,6 +46,7 @@ from jaxserve.models.qwen2_vl import (
     merger_mlp,
     qwen2_vl_names,
 )
+from jaxserve.models.qwen2_vl import vision_weight_map as qwen2_vl_weight_map
 
 _EPS = 1e-6  # every RMSNorm of the encoder and the merger
 
@@ -162,25 +163,8 @@ def encode_image_windowed(
 def vision_weight_map(
     v: Qwen2_5_VLVisionArgs, prefix: str = "visual.", ours: str = "vision."
 ) -> dict[str, tuple[str, int | None, bool]]:
-    """The checkpoint's vision tensors (after split_vision_tensor) -> (our parameter path, layer
-    index or None, transpose)."""
-    table = {
-        prefix + "patch_embed.proj.weight": (ours + "patch_kernel", None, True),
-        prefix + "merger.ln_q.weight": (ours + "merger_ln_weight", None, False),
-    }
-    for hf, name in (("mlp.0", "merger_fc1"), ("mlp.2", "merger_fc2")):
-        table[f"{prefix}merger.{hf}.weight"] = (f"{ours}{name}_kernel", None, True)
-        table[f"{prefix}merger.{hf}.bias"] = (f"{ours}{name}_bias", None, False)
-    per_layer = {f"attn.{p}": p for p in "qkv"} | {"attn.proj": "o"}
-    per_layer |= {f"mlp.{p}_proj": p for p in ("gate", "up", "down")}
-    for i in range(v.depth):
-        block = f"{prefix}blocks.{i}."
-        for hf, name in per_layer.items():
-            table[block + hf + ".weight"] = (f"{ours}{name}_kernel", i, True)
-            table[block + hf + ".bias"] = (f"{ours}{name}_bias", i, False)
-        for n in ("1", "2"):
-            table[f"{block}norm{n}.weight"] = (f"{ours}ln{n}_weight", i, False)
-    return table
+    """Qwen2-VL's map with the gated MLP and the RMSNorms' weights."""
+    return qwen2_vl_weight_map(v, prefix, ours, gated=True, norm_bias=False)
 
 
 def qwen2_5_vl_args(hf: Mapping, max_model_len: int) -> Qwen2VLArgs:

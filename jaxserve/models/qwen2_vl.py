@@ -172,27 +172,36 @@ def encode_image(
 
 
 def vision_weight_map(
-    v: Qwen2VLVisionArgs, prefix: str = "visual.", ours: str = "vision."
+    v: Qwen2VLVisionArgs,
+    prefix: str = "visual.",
+    ours: str = "vision.",
+    gated: bool = False,  # Qwen2.5-VL's MLP: gate, up and down projections
+    norm_bias: bool = True,  # LayerNorm (weight and bias); Qwen2.5-VL's RMSNorm: weight only
 ) -> dict[str, tuple[str, int | None, bool]]:
     """The checkpoint's vision tensors (after split_vision_tensor) -> (our parameter path, layer
     index or None, transpose)."""
-    table = {
-        prefix + "patch_embed.proj.weight": (ours + "patch_kernel", None, True),
-        prefix + "merger.ln_q.weight": (ours + "merger_ln_weight", None, False),
-        prefix + "merger.ln_q.bias": (ours + "merger_ln_bias", None, False),
-    }
+    norm_parts = ("weight", "bias") if norm_bias else ("weight",)
+    table = {prefix + "patch_embed.proj.weight": (ours + "patch_kernel", None, True)}
+    for part in norm_parts:
+        table[f"{prefix}merger.ln_q.{part}"] = (f"{ours}merger_ln_{part}", None, False)
     for hf, name in (("mlp.0", "merger_fc1"), ("mlp.2", "merger_fc2")):
         table[f"{prefix}merger.{hf}.weight"] = (f"{ours}{name}_kernel", None, True)
         table[f"{prefix}merger.{hf}.bias"] = (f"{ours}{name}_bias", None, False)
-    per_layer = {f"attn.{p}": p for p in "qkv"} | {"attn.proj": "o", "mlp.fc1": "fc1", "mlp.fc2": "fc2"}
+    per_layer = {f"attn.{p}": p for p in "qkv"} | {"attn.proj": "o"}
+    mlp = (
+        {f"mlp.{p}_proj": p for p in ("gate", "up", "down")}
+        if gated
+        else {"mlp.fc1": "fc1", "mlp.fc2": "fc2"}
+    )
+    per_layer |= mlp
     for i in range(v.depth):
         block = f"{prefix}blocks.{i}."
         for hf, name in per_layer.items():
             table[block + hf + ".weight"] = (f"{ours}{name}_kernel", i, True)
             table[block + hf + ".bias"] = (f"{ours}{name}_bias", i, False)
         for n in ("1", "2"):
-            table[f"{block}norm{n}.weight"] = (f"{ours}ln{n}_weight", i, False)
-            table[f"{block}norm{n}.bias"] = (f"{ours}ln{n}_bias", i, False)
+            for part in norm_parts:
+                table[f"{block}norm{n}.{part}"] = (f"{ours}ln{n}_{part}", i, False)
     return table
 
 
