@@ -114,7 +114,9 @@ class EngineArgsFields:
     )
     compilation_config: dict | str | None = arg(
         G.COMP,
-        help='JSON object: token_buckets, seq_buckets, cache_dir (e.g. \'{"cache_dir": ""}\').',
+        help="JSON object: token_buckets, seq_buckets, cache_dir, pipeline_microbatch_tokens (rows "
+        "a pipeline microbatch is worth: default the TPU's ridge point, else 256; 0: never cut a step) "
+        '(e.g. \'{"cache_dir": ""}\').',
         short="-O",
         factory=dict,
     )

@@ -415,7 +415,7 @@ def _cache_config(args: EngineArgsFields, backend: str, model_dtype) -> CacheCon
 
 def _compilation_config(args: EngineArgsFields, backend: str) -> CompilationConfig:
     comp = as_dict(args.compilation_config, "compilation_config")
-    unknown = set(comp) - {"token_buckets", "seq_buckets", "cache_dir"}
+    unknown = set(comp) - {"token_buckets", "seq_buckets", "cache_dir", "pipeline_microbatch_tokens"}
     if unknown:
         raise ValueError(f"compilation_config keys {sorted(unknown)} are not supported.")
     return CompilationConfig(
@@ -425,6 +425,7 @@ def _compilation_config(args: EngineArgsFields, backend: str) -> CompilationConf
         cache_dir=comp.get("cache_dir"),
         min_token_bucket=1 if platform() == "cpu" else 16,
         attention_backend=backend,
+        pipeline_microbatch_tokens=comp.get("pipeline_microbatch_tokens"),
     )
 
 

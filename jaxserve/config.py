@@ -195,6 +195,17 @@ class CompilationConfig:
     # The attention the step is traced with (layers/attention.py): "reference", "tpu", "gpu",
     # "tpu-interpret" or "gpu-interpret"; --attention-backend resolved for the platform.
     attention_backend: str = "reference"
+    # Pipeline parallel: the rows below which a microbatch costs a stage the time it reads its
+    # weights in (layers/pipeline.py picks the microbatches by it). 0: a step is never cut; None:
+    # the chip's ridge point (StepLayout.plan).
+    pipeline_microbatch_tokens: int | None = None
+
+    def __post_init__(self):
+        tokens = self.pipeline_microbatch_tokens
+        if tokens is not None and (type(tokens) is not int or tokens < 0):
+            raise ValueError(
+                f"compilation_config pipeline_microbatch_tokens must be an integer >= 0, got {tokens!r}."
+            )
 
 
 # --structured-outputs-config backend values: llguidance is the one installed (the others need torch).

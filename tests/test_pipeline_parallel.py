@@ -5,13 +5,16 @@ the KV pool's pages at pp = 4) split by its tensor-parallel group; the same toke
 pp = 4 with int8 weights and an int8 KV cache (each stage reads its own layers' KV scales) and
 for a GGUF of 4-bit projections (the native kernel's stacks, read by layer index); peft's tokens
 with two LoRA adapters and transformers' for OPT at pp = 2 x tp = 2, and transformers' tokens from
-an engine with a draft model, offloaded weights and a sleep at pp = 2 x tp = 2. A layer count the stages do
+an engine with a draft model, offloaded weights and a sleep at pp = 2 x tp = 2. Every step of 64 tokens
+goes through the stages as 4 microbatches (a microbatch of at least 16 tokens here), and a
+recorded timeline shows the ticks' order. A layer count the stages do
 not divide, and more stages than devices, are one-line errors.
 
 The device count is fixed when JAX starts, so the engines run in one fresh subprocess."""
 
 from __future__ import annotations
 
+import collections
 import json
 import textwrap
 
@@ -33,6 +36,7 @@ SCRIPT = textwrap.dedent(
     import json, sys
     from tiny_models import engine_kwargs
     from jaxserve import LLM, SamplingParams
+    from jaxserve.layers.pipeline import record_timeline
     from jaxserve.lora.request import LoRARequest
     from jaxserve.sampling_params import StructuredOutputsParams
 
@@ -46,6 +50,10 @@ SCRIPT = textwrap.dedent(
     GUIDED = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=StructuredOutputsParams(
         json=SCHEMA, disable_any_whitespace=True))
 
+    def kw(**overrides):  # a step of the 64-token bucket passes the stages as 4 microbatches (ridge 16)
+        k = engine_kwargs(**overrides)
+        return {**k, "compilation_config": {**k["compilation_config"], "pipeline_microbatch_tokens": 16}}
+
     def shards(x):
         return sorted({tuple(s.data.shape) for s in x.addressable_shards})
 
@@ -54,7 +62,7 @@ SCRIPT = textwrap.dedent(
 
     report = {}
     for pp, tp in ((1, 1), (4, 2), (4, 1)):
-        llm = LLM(paths["llama"], **engine_kwargs(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+        llm = LLM(paths["llama"], **kw(tensor_parallel_size=tp, pipeline_parallel_size=pp))
         runner = llm.llm_engine.runner
         stack = dict(runner.state.flat_state())[("layers", "q_proj")].value
         report[f"llama {pp}x{tp}"] = {
@@ -66,11 +74,19 @@ SCRIPT = textwrap.dedent(
         if tp == 2 or pp == 1:
             report[f"llama {pp}x{tp}"]["guided"] = [o.outputs[0].text for o in llm.generate(ids, GUIDED, use_tqdm=False)]
         del llm, runner
+    # one prefill step of 4 microbatches through 4 stages, stamped as each stage starts and ends each
+    with record_timeline() as timeline:
+        llm = LLM(paths["llama"], **kw(tensor_parallel_size=2, pipeline_parallel_size=4))
+        one = SamplingParams(temperature=0.0, max_tokens=1)
+        report["timeline"] = {"prompt": list(range(3, 43)), "events": timeline.events}
+        report["timeline"]["token"] = tokens(llm.generate([{"prompt_token_ids": list(range(3, 43))}], one,
+                                                          use_tqdm=False))[0]
+    del llm
     # the draft model's proposals (itself, on the same stages), weights offloaded to host memory,
     # and a sleep and wake, in one engine
     llm = LLM(paths["llama"], enable_sleep_mode=True, cpu_offload_gb=1,
               speculative_config={"model": paths["llama"], "num_speculative_tokens": 3},
-              **engine_kwargs(tensor_parallel_size=2, pipeline_parallel_size=2))
+              **kw(tensor_parallel_size=2, pipeline_parallel_size=2))
     before = tokens(llm.generate(ids, GREEDY, use_tqdm=False))
     llm.sleep(1)
     llm.wake_up()
@@ -81,25 +97,25 @@ SCRIPT = textwrap.dedent(
     del llm
     for pp, tp in ((1, 1), (4, 2)):
         llm = LLM(paths["llama"], quantization="int8", kv_cache_dtype="int8", calculate_kv_scales=True,
-                  **engine_kwargs(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+                  **kw(tensor_parallel_size=tp, pipeline_parallel_size=pp))
         report[f"int8 {pp}x{tp}"] = tokens(llm.generate(ids, GREEDY, use_tqdm=False))
         del llm
     loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths["adapters"])] + [None]
     loras = (loras * len(prompts))[: len(prompts)]
     llm = LLM(paths["llama"], enable_lora=True, max_loras=2, max_lora_rank=8,
-              **engine_kwargs(tensor_parallel_size=2, pipeline_parallel_size=2))
+              **kw(tensor_parallel_size=2, pipeline_parallel_size=2))
     report["lora 2x2"] = tokens(llm.generate(ids, GREEDY, use_tqdm=False, lora_request=loras))
     del llm
     for pp in (1, 2):
-        llm = LLM(paths["gguf"], **engine_kwargs(pipeline_parallel_size=pp))
+        llm = LLM(paths["gguf"], **kw(pipeline_parallel_size=pp))
         report[f"gguf {pp}"] = tokens(llm.generate(small, GREEDY, use_tqdm=False))
         del llm
-    llm = LLM(paths["opt"], **engine_kwargs(tensor_parallel_size=2, pipeline_parallel_size=2))
+    llm = LLM(paths["opt"], **kw(tensor_parallel_size=2, pipeline_parallel_size=2))
     report["opt 2x2"] = tokens(llm.generate(ids, GREEDY, use_tqdm=False))
     del llm
     for bad in ({"pipeline_parallel_size": 3}, {"pipeline_parallel_size": 4, "tensor_parallel_size": 4}):
         try:
-            LLM(paths["llama"], **engine_kwargs(**bad))
+            LLM(paths["llama"], **kw(**bad))
         except ValueError as e:
             report.setdefault("errors", []).append(str(e))
     print(json.dumps(report))
@@ -166,6 +182,30 @@ def test_every_stage_count_gives_transformers_greedy_tokens(runs):
     assert "guided" in report["llama 4x2"]
 
 
+def test_a_prefill_step_passes_its_microbatches_through_the_stages_in_ticks(runs):
+    """The 40-token prompt's step (the 64-token bucket, 16 tokens a microbatch) at pp=4 x tp=2:
+    every device of every stage starts and ends each of the 4 microbatches once, in order, and
+    a stage starts a microbatch only after the stage before it has ended it."""
+    models, report = runs
+    timeline = report["timeline"]
+    compared, _ = check_greedy(models["llama"], timeline["prompt"], timeline["token"])
+    assert compared == 1
+    stages, micro, tp = 4, 4, 2
+    events = sorted(map(tuple, timeline["events"]))
+    assert len(events) == stages * micro * tp * 2 and {e[3] for e in events} == {micro}
+    at = collections.defaultdict(list)
+    for seconds, stage, m, _, kind in events:
+        at[stage, m, kind].append(seconds)
+    for stage in range(stages):
+        order = [m for _, s, m, _, kind in events if s == stage and kind == "start"]
+        assert order == sorted(order) == [m for m in range(micro) for _ in range(tp)], stage
+        for m in range(micro):
+            assert all(len(at[stage, m, kind]) == tp for kind in ("start", "end"))
+            assert max(at[stage, m, "start"]) <= min(at[stage, m, "end"])
+            if stage:
+                assert min(at[stage, m, "start"]) >= min(at[stage - 1, m, "end"]), (stage, m)
+
+
 def test_draft_proposals_offload_and_sleep_work_in_stages(runs):
     _, report = runs
     combined = report["combined 2x2"]
@@ -204,3 +244,24 @@ def test_stages_that_cannot_be_built_are_named(runs, tmp_path):
     ]
     with pytest.raises(ValueError, match="pipeline_parallel_size must be a positive integer, got 0"):
         EngineArgs(model="unused", pipeline_parallel_size=0).create_engine_config()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "256", True])
+def test_a_bad_microbatch_size_is_one_line(tiny_llama_gqa, bad):
+    args = EngineArgs(model=tiny_llama_gqa[0], compilation_config={"pipeline_microbatch_tokens": bad})
+    with pytest.raises(ValueError, match="pipeline_microbatch_tokens must be an integer >= 0, got"):
+        args.create_engine_config()
+
+
+def test_microbatches_default_to_the_chips_ridge_point():
+    """The rows a chip computes while it reads a bf16 weight matrix once (peak bf16 flops / HBM
+    bytes per second): v5e 197e12 / 819e9, v6e 918e12 / 1640e9, v5p 459e12 / 2765e9; a device
+    the table does not know (a CPU) has none, and the engine takes 256."""
+    from jaxserve.aot.chips import ridge_tokens
+
+    assert [ridge_tokens(kind) for kind in ("TPU v5 lite", "TPU v6 lite", "TPU v5", "cpu")] == [
+        241,
+        560,
+        166,
+        None,
+    ]

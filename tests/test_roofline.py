@@ -68,3 +68,23 @@ def test_projection_fills_the_kv_pool_and_counts_waves():
     assert projected["req_s"] == pytest.approx(51 / wave)
     assert projected["output_tok_s"] == pytest.approx(51 * 128 / wave)
     assert project(report, chip, Workload(2000, 128)) is None  # longer than max_model_len
+
+
+def test_pipeline_microbatches_shorten_a_prefill_chunk_not_a_decode_step():
+    """pp=2 on a v5e, a 2048-token chunk: with the chip's ridge (241 rows) the chunk passes as 8
+    microbatches of 256 in 9 ticks, each an eighth of a stage's compute-bound chunk: 9/16 of the
+    two stages' turns; a decode step's stages still take turns. On a v6e (ridge 560) the chunk
+    passes as 4 microbatches of 512: below the ridge, a tick lasts the weights' read time."""
+    workload = Workload(1800, 128)
+    for chip, micro, ticks in ((CHIPS["v5e"], 8, 9), (CHIPS["v6e"], 4, 5)):
+        turns, cut = llama_8b_like(), llama_8b_like()
+        for report, ridge in ((turns, 0), (cut, round(chip.bf16_flops / chip.hbm_bandwidth))):
+            report.buckets[-1] = (2048, 256)
+            report.pipeline_parallel_size, report.pipeline_microbatch_tokens = 2, ridge
+        one, many = project(turns, chip, workload), project(cut, chip, workload)
+        assert one["decode_step_ms"] == many["decode_step_ms"]
+        size, spanned = 2048 // micro, 2048 / 1800  # a chunk spans 2048 / 1800 prompts
+        flops, nbytes = step_cost(cut, (size, 256), spanned / micro, size, 900)
+        tick_s = max(flops / chip.bf16_flops, nbytes / chip.hbm_bandwidth)
+        assert many["prefill_chunk_ms"] == pytest.approx(ticks * tick_s * 1e3)
+        assert many["prefill_chunk_ms"] < 0.75 * one["prefill_chunk_ms"]

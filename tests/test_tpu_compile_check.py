@@ -164,8 +164,10 @@ def test_every_variant_compiles_with_quantized_weights_and_kv(tmp_path, shape_di
 def test_pipeline_stages_compile_for_tpu(tmp_path, shape_dir):
     """pp=2 x tp=4 on a v5e-8: the stages' step (each stage's layer in turn on its own four chips,
     through the Pallas kernel) and its verify program; each chip holds one stage's layers, so half
-    the pool's bytes per token of tp=4 alone, and half of every layer stack."""
-    flags = ["--topology", "v5e-8", "-tp", "4", "-pp", "2", *SMALL, "--programs", "quick"]
+    the pool's bytes per token of tp=4 alone, and half of every layer stack. The 64-token step
+    goes through the stages as two microbatches of 32, the 16-token ones as one batch."""
+    microbatches = ["-O", json.dumps({"pipeline_microbatch_tokens": 32})]
+    flags = ["--topology", "v5e-8", "-tp", "4", "-pp", "2", *SMALL, *microbatches, "--programs", "quick"]
     done, report = compile_check(tmp_path, shape_dir, *flags, "--speculative-config", NGRAM)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "v5e-8, tp=4 pp=2:" in done.stdout

@@ -41,6 +41,17 @@ CHIPS = {
 }  # fmt: skip
 
 
+# What JAX calls each chip (Device.device_kind), libtpu's deviceless devices included.
+DEVICE_KINDS = {"TPU v5 lite": "v5e", "TPU v6 lite": "v6e", "TPU v5": "v5p", "TPU v5p": "v5p"}
+
+
+def ridge_tokens(device_kind: str) -> int | None:
+    """The rows a bf16 matmul takes to compute as long as the chip reads its weights in (2 flops
+    per 2-byte weight and row: peak flops / HBM bandwidth); None for a chip not in CHIPS."""
+    chip = CHIPS.get(DEVICE_KINDS.get(device_kind, ""))
+    return None if chip is None else round(chip.bf16_flops / chip.hbm_bandwidth)
+
+
 @dataclass(frozen=True)
 class Target:
     """A TPU slice by its Cloud name: v5e-4 is four v5e chips; v5p-8 is four v5p chips (v5p slices

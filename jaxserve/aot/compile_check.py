@@ -68,6 +68,7 @@ class Report:
     target: str
     tensor_parallel_size: int
     pipeline_parallel_size: int = 1
+    pipeline_microbatch_tokens: int = 0  # under a pipeline, the fewest tokens a microbatch keeps
     dtype: str = ""
     quantization: str | None = None
     kv_cache_dtype: str = ""
@@ -255,6 +256,7 @@ def check(
     report.max_model_len = config.scheduler_config.max_model_len
     report.max_loras = config.lora_config.max_loras if config.lora_config else 0
     report.buckets = layout.buckets.all()
+    report.pipeline_microbatch_tokens = layout.microbatch_tokens
     spec = layout.kv_spec
     report.shape = {
         "num_layers": args.num_layers,

@@ -16,7 +16,9 @@ XLA's own cost analysis is kept in the reports but not used here: it does not se
 Pallas kernel and counts the layer loop's body once. The result is a best case: no host time,
 no kernel below its roofline, no overlap of prefill with decode; real throughput is lower. It is
 an estimate, and every table made from it says so. Under pipeline parallelism a device computes its
-stage's layers, and a step's stages run one after another (one batch in the pipeline).
+stage's layers; a decode step's stages run one after another (one batch in the pipeline), a
+prefill chunk's M microbatches pass the S stages in M + S - 1 ticks of one microbatch's time
+(layers/pipeline.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 from jaxserve.aot.chips import Chip
 from jaxserve.aot.compile_check import Report
+from jaxserve.layers.pipeline import num_microbatches
 
 
 @dataclass(frozen=True)
@@ -82,8 +85,10 @@ def project(report: Report, chip: Chip, workload: Workload) -> dict | None:
     decode_s = stages * seconds(decode_flops, decode_bytes, chip)
     # a chunk of prompt tokens attends, on average, to half a prompt; it spans chunk/input_len prompts
     spanned = max(1.0, chunk / workload.input_len)
-    chunk_flops, chunk_bytes = step_cost(report, report.buckets[-1], spanned, chunk, workload.input_len / 2)
-    chunk_s = stages * seconds(chunk_flops, chunk_bytes, chip)
+    micro = num_microbatches(chunk, report.pipeline_microbatch_tokens, stages)
+    rows, size = report.buckets[-1][1], chunk // micro  # (the head's rows counted in each microbatch)
+    chunk_flops, chunk_bytes = step_cost(report, (size, rows), spanned / micro, size, workload.input_len / 2)
+    chunk_s = (micro + stages - 1) * seconds(chunk_flops, chunk_bytes, chip)
     prefill_s = -(-batch * workload.input_len // chunk) * chunk_s
     wave_s = prefill_s + workload.output_len * decode_s
     return {

@@ -110,6 +110,9 @@ class AttentionMetadata:
     # [num_layers, 2] float32, each layer's key and value scale, for a pool of quantized pages
     # (int8, fp8); None for pages in the model's dtype. Fixed at start-up, sent with every step.
     kv_scales: jax.Array | None = None
+    # Under a pipeline, the rows below which a microbatch costs a stage its weights' read time
+    # (layers/pipeline.py); 0: the step goes through the stages as one batch. Static, as the backend.
+    microbatch_tokens: int = field(default=0, metadata=dict(static=True))
 
 
 def paged_attention(

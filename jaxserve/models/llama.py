@@ -243,7 +243,6 @@ class LlamaForCausalLM(CausalLM):
         rope_positions: jax.Array | None = None,  # [3, num_tokens] int32: M-RoPE's positions
     ) -> tuple[jax.Array, jax.Array]:  # ([num_tokens, hidden], before the final norm; kv_pool)
         a = self.args
-        num_tokens = input_ids.shape[0]
         pages_per_layer = kv_pool.shape[0] // a.num_layers
         lora = lora_mask(lora_slots, a.lora)
         sm_scale = a.attn_scale or a.head_dim**-0.5
@@ -278,9 +277,10 @@ class LlamaForCausalLM(CausalLM):
             layer_freq = per_layer.get("inv_freq", shared["inv_freq"])
             h = norm(x, w["input_norm"])
             q, k, v = linears(h, w, ("q", "k", "v"), lora)
-            q = q.reshape(num_tokens, a.num_heads, a.head_dim)
-            k = k.reshape(num_tokens, a.num_kv_heads, a.head_dim)
-            v = v.reshape(num_tokens, a.num_kv_heads, a.head_dim)
+            rows = x.shape[0]  # the step's tokens, or a pipeline microbatch of them
+            q = q.reshape(rows, a.num_heads, a.head_dim)
+            k = k.reshape(rows, a.num_kv_heads, a.head_dim)
+            v = v.reshape(rows, a.num_kv_heads, a.head_dim)
             if a.qk_norm:
                 q = norm(q, w["q_norm"])
                 k = norm(k, w["k_norm"])
@@ -298,7 +298,7 @@ class LlamaForCausalLM(CausalLM):
                 sliding_window=per_layer.get("window", shared_window),
                 soft_cap=a.attn_soft_cap,
             )
-            out = linear(attn.reshape(num_tokens, -1), w, "o", lora)
+            out = linear(attn.reshape(rows, -1), w, "o", lora)
             x = x + (norm(out, w["attn_out_norm"]) if a.sandwich_norms else out)
             h = norm(x, w["post_norm"])
             if a.moe:
@@ -315,7 +315,7 @@ class LlamaForCausalLM(CausalLM):
         if a.mrope_rows and rope_positions is not None:  # (without them: text, all three alike)
             rotary = jnp.take(rope_positions, jnp.asarray(a.mrope_rows), axis=0).T
         shared = {"positions": rotary, "lora": lora, "inv_freq": inv_freq}
-        return run_layers(layer, x, kv_pool, xs, whole, meta, shared)
+        return run_layers(layer, x, kv_pool, xs, whole, meta, shared, token_keys=("positions", "lora"))
 
     def final_hidden(self, x: jax.Array) -> jax.Array:
         a = self.args

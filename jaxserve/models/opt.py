@@ -195,7 +195,6 @@ class OPTForCausalLM(CausalLM):
         input_embeds: InputEmbeds | None = None,  # rows fed in place of the embedding table's
     ) -> tuple[jax.Array, jax.Array]:  # ([num_tokens, hidden], before the final norm; kv_pool)
         a = self.args
-        num_tokens = input_ids.shape[0]
         pages_per_layer = kv_pool.shape[0] // a.num_layers
         lora = lora_mask(lora_slots, a.lora)
         act = ACTIVATIONS[a.activation]
@@ -213,21 +212,22 @@ class OPTForCausalLM(CausalLM):
         def norm(x, w, name):
             return layer_norm(x, w.get(name), w.get(f"{name}_bias"), a.layer_norm_eps)
 
-        def layer(carry, per_layer, whole, meta, lora):
+        def layer(carry, per_layer, whole, meta, shared):
             x, kv_pool = carry
+            lora, rows = shared["lora"], x.shape[0]  # (rows: the step's tokens, or a microbatch's)
             w, index = on_device(per_layer["weights"]), per_layer["index"]
             h = norm(x, w, "attn_norm") if a.pre_norm else x
             q, k, v = linears(h, w, ("q", "k", "v"), lora)
-            q = q.reshape(num_tokens, a.num_heads, a.head_dim)
-            k = k.reshape(num_tokens, a.num_kv_heads, a.head_dim)
-            v = v.reshape(num_tokens, a.num_kv_heads, a.head_dim)
+            q = q.reshape(rows, a.num_heads, a.head_dim)
+            k = k.reshape(rows, a.num_kv_heads, a.head_dim)
+            v = v.reshape(rows, a.num_kv_heads, a.head_dim)
             if a.bidirectional:
                 attn = sequence_attention(q, k, v, meta.cu_q_lens, a.head_dim**-0.5)
             else:
                 attn, kv_pool = paged_attention(
                     q, k, v, kv_pool, index, pages_per_layer, meta, sm_scale=a.head_dim**-0.5
                 )
-            x = x + linear(attn.reshape(num_tokens, -1), w, "o", lora)
+            x = x + linear(attn.reshape(rows, -1), w, "o", lora)
             if not a.pre_norm:
                 x = norm(x, w, "attn_norm")
             h = norm(x, w, "mlp_norm") if a.pre_norm else x
@@ -236,7 +236,10 @@ class OPTForCausalLM(CausalLM):
                 x = norm(x, w, "mlp_norm")
             return (x, kv_pool), None
 
-        return run_layers(layer, x, kv_pool, {"weights": self.layers.stacked()}, meta=meta, shared=lora)
+        weights = {"weights": self.layers.stacked()}
+        # an encoder's attention sees whole sequences: its steps are never cut into microbatches
+        tokens = None if a.bidirectional else ("lora",)
+        return run_layers(layer, x, kv_pool, weights, meta=meta, shared={"lora": lora}, token_keys=tokens)
 
     def _token_types(self, input_ids: jax.Array, cu: jax.Array) -> jax.Array:
         """[num_tokens] int32: 0, or 1 for a token after its sequence's first separator (with two

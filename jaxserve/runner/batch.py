@@ -101,6 +101,7 @@ def prepare(
     with_lora: bool = False,  # the model has LoRA slots: each token's slot goes with the batch
     logits_per_seq: int = 1,  # > 1: the verify layout, up to this many logits rows per sequence
     mrope: bool = False,  # the model's rope takes three positions a token (BatchInputs.rope_positions)
+    microbatch_tokens: int = 0,  # under a pipeline (AttentionMetadata.microbatch_tokens)
 ) -> BatchInputs:
     """The step's arrays: tokens and attention metadata, sampling rows, and the per-token extras.
     Every row field is gathered by C-level iteration (no Python loop over the rows)."""
@@ -121,6 +122,7 @@ def prepare(
         pad_slot,
         attention_backend,
         kv_scales,
+        microbatch_tokens,
     )
     lora_slots = None
     if with_lora:
@@ -188,6 +190,7 @@ def _tokens_and_pages(
     pad_slot: int,
     attention_backend: str,
     kv_scales: np.ndarray | None,
+    microbatch_tokens: int,
 ) -> tuple[np.ndarray, np.ndarray, AttentionMetadata]:
     """input_ids and positions [token bucket], and the attention metadata: each token's KV slot,
     each row's pages and KV length."""
@@ -220,6 +223,7 @@ def _tokens_and_pages(
         num_seqs=np.array([n], np.int32),
         backend=attention_backend,
         kv_scales=kv_scales,
+        microbatch_tokens=microbatch_tokens,
     )
     return input_ids, positions, meta
 

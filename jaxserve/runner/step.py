@@ -5,7 +5,9 @@ ModelRunner compiles `step` once per shape bucket and variant. Everything the pr
 on is an argument: the arrays, and, bound before jit, the model graph, the variant and the
 top-k width; the attention backend rides in the batch's AttentionMetadata as a static field.
 The only context a trace reads is JAX's own mesh (jax.set_mesh, for layers that split work by
-hand), which jit keys on too; so a compiled step is a function of what its cache key names.
+hand), which jit keys on too, and, when a benchmark measures a pipeline, whether its timeline is
+recorded (layers/pipeline.py record_timeline), which the step's cache keys name; so a compiled
+step is a function of what its cache key names.
 
 The step comes in variants (StepVariant), each compiled the first time a batch needs it and
 never per request. The plain variant is what start-up compiles; a batch that needs none of

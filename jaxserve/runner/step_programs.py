@@ -24,7 +24,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxserve.aot.chips import ridge_tokens
 from jaxserve.config import EngineConfig
+from jaxserve.layers import pipeline
 from jaxserve.layers.attention import pool_head_dim
 from jaxserve.layers.sampler import ProcessorState
 from jaxserve.loader.model_loader import abstract_model, build_model_args
@@ -62,6 +64,7 @@ class StepLayout:
     num_speculative_tokens: int = 0  # most proposed tokens a sequence is fed (the verify layout)
     embeds_width: int = 0  # the rows of prompts given as embeddings (0: the engine takes none)
     mrope: bool = False  # the model's rope takes three positions a token (M-RoPE)
+    microbatch_tokens: int = 0  # under a pipeline (AttentionMetadata.microbatch_tokens)
 
     @classmethod
     def plan(cls, config: EngineConfig, args, mesh, with_lora: bool, memory_stats=None) -> StepLayout:
@@ -102,6 +105,7 @@ class StepLayout:
             else 0,
             embeds_width=embedding_width(mc.hf_config) if mc.enable_prompt_embeds or mc.is_multimodal else 0,
             mrope=bool(getattr(args, "mrope_rows", ())),
+            microbatch_tokens=microbatch_tokens(config, mesh),
         )
 
     @property
@@ -125,7 +129,20 @@ class StepLayout:
             self.with_lora,
             self.num_speculative_tokens + 1 if verify else 1,
             self.mrope,
+            self.microbatch_tokens,
         )
+
+
+def microbatch_tokens(config: EngineConfig, mesh) -> int:
+    """The rows below which a pipeline microbatch costs a stage its weights' read time (0 without
+    stages: no microbatches): the configured count, else the chip's ridge point, else 256 (about
+    a v5e's; CPUs and GPUs)."""
+    if config.parallel_config.pipeline_parallel_size == 1:
+        return 0
+    configured = config.compilation_config.pipeline_microbatch_tokens
+    if configured is not None:
+        return configured
+    return ridge_tokens(mesh.devices.flat[0].device_kind) or 256
 
 
 def draft_footprint(config: EngineConfig, mesh, page_size: int) -> tuple[int, int]:
@@ -230,11 +247,12 @@ class StepPrograms:
         return compiled
 
     def _build(self, part: str, variant: StepVariant, args: tuple) -> jax.stages.Compiled:
-        # A program is a function of the graph, the part and variant, the top-k width and the
-        # attention backend (also in the inputs' tree structure, as a static field); the arrays'
+        # A program is a function of the graph, the part and variant, the top-k width, the
+        # attention backend (also in the inputs' tree structure, as a static field, as the pipeline's
+        # microbatch rows are) and whether a pipeline timeline is being recorded; the arrays'
         # shapes, dtypes and shardings settle the rest.
         key = (self.graphdef, part, variant, self.layout.num_top_logprobs, self.layout.attention_backend,
-               jax.tree.structure(args),
+               pipeline.recording(), jax.tree.structure(args),
                tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(args)))  # fmt: skip
         return self.step_cache.get_or_build(key, lambda: self._load_or_compile(key, part, variant, args))
 
