@@ -1,18 +1,27 @@
-"""Pipeline parallel on fake CPU devices: throughput of pp=2 against pp=1.
+"""Pipeline parallel on fake CPU devices: throughput of pp=2 against pp=1, and the timeline of a
+prefill step through the stages.
 
 Every configuration serves the default model (--quantization none: float32 stacks) to the same
 batch of prompts, greedily, in one process whose CPU is split into fake devices: no
-configuration can be faster than one device, since the devices share the same cores. Reported:
-decode and prefill tokens/s of each configuration and their ratio to pp=1 on one device (tp=3: the
-other way to split the model over devices; SmolLM2-135M has 9 heads, 3 KV heads), and whether
-each gave the same tokens. With one batch in the pipeline the stages take turns, so pp=2 does the
-work of pp=1 plus a permute of the activations and a sum of the output per step; and a device that
-is not the mesh's only one runs without the native CPU kernels (they serve one-device meshes).
+configuration can be faster than one device by more than the cores one device leaves idle, since
+the devices share the same cores. Reported: decode and prefill tokens/s of each configuration and
+their ratio to the first (pp=1 on one device), and whether each gave the same tokens. A decode
+step goes through the stages as one batch (the stages take turns: pp=2 does the work of pp=1 plus
+a permute of the activations and a sum of the output per step); a prefill step of T tokens as
+T / 256 microbatches (layers/pipeline.py), the stages working at once on different ones.
 
-    python benchmarks/pipeline_parallel.py [--configs 1x1 2x1 1x3] [--batch 8] [--prompt-len 128]
+The timeline: for each configuration with stages, an engine built under
+`pipeline.record_timeline()` prefills the same batch once, and each stage's start and end of each
+microbatch (host callbacks in the step) give the milliseconds during which two stages or more
+worked at once ("overlap"), against the step's span. A configuration's microbatching is chosen by
+its suffix: "2x1m0" never cuts a step (one batch in the pipeline), "2x1m128" cuts into
+microbatches of at least 128 tokens; no suffix, the default (256).
+
+    python benchmarks/pipeline_parallel.py [--configs 1x1 2x1m0 2x1] [--batch 8] [--prompt-len 128]
         [--max-tokens 64] [--rounds 2] [--output-json FILE]
 
-A configuration is PPxTP. The device count is fixed when JAX starts: this script sets it (8).
+A configuration is PPxTP[mTOKENS]. The device count is fixed when JAX starts: this script sets
+it (8).
 """
 
 from __future__ import annotations
@@ -32,12 +41,59 @@ os.environ["XLA_FLAGS"] = " ".join(
 ).strip()
 
 
-def _engine(model: str | None, pp: int, tp: int):
+def _engine(model: str | None, config: str):
     from jaxserve import LLM
 
+    sizes, _, microbatch = config.partition("m")
+    pp, tp = map(int, sizes.split("x"))
+    compilation = {} if not microbatch else {"pipeline_microbatch_tokens": int(microbatch)}
     return LLM(
-        model, quantization="none", pipeline_parallel_size=pp, tensor_parallel_size=tp, max_num_seqs=16
+        model,
+        quantization="none",
+        pipeline_parallel_size=pp,
+        tensor_parallel_size=tp,
+        max_num_seqs=16,
+        compilation_config=compilation,
     )
+
+
+def busy_together(events: Sequence[tuple]) -> dict:
+    """A step's stamps (pipeline.Timeline events) -> each stage's [start, end] ms per microbatch
+    from the step's first stamp, the step's span, and the ms during which 2+ stages worked."""
+    t0 = min(e[0] for e in events)
+    spans = collections.defaultdict(dict)  # stage -> microbatch -> [start, end] over its devices
+    for seconds, stage, m, _, kind in events:
+        ms = (seconds - t0) * 1e3
+        start, end = spans[stage].get(m, (ms, ms))
+        spans[stage][m] = (min(start, ms), end) if kind == "start" else (start, max(end, ms))
+    edges = sorted(
+        (t, +1 if i == 0 else -1)
+        for stage in spans.values()
+        for span in stage.values()
+        for i, t in enumerate(span)
+    )
+    overlap, working, last = 0.0, 0, 0.0
+    for t, change in edges:
+        if working >= 2:
+            overlap += t - last
+        working, last = working + change, t
+    stages = [[spans[s][m] for m in sorted(spans[s])] for s in sorted(spans)]
+    span = max(e for stage in stages for _, e in stage)
+    return {"stages_ms": stages, "span_ms": span, "overlap_ms": overlap, "overlap_fraction": overlap / span}
+
+
+def timeline(model: str | None, config: str, prompts, params) -> dict:
+    """The stamps of the prefill step of `prompts` (one step) on a fresh engine of `config`."""
+    from jaxserve.layers import pipeline
+
+    with pipeline.record_timeline() as recorded:
+        llm = _engine(model, config)
+        llm.generate(prompts, params, use_tqdm=False)  # compiles on the way: stamps only when run
+        recorded.events.clear()
+        llm.reset_prefix_cache()
+        llm.generate(prompts, params, use_tqdm=False)
+    del llm
+    return {"microbatches": recorded.events[0][3], **busy_together(recorded.events)}
 
 
 def _timed(llm, prompts, params) -> tuple[float, int]:
@@ -55,7 +111,7 @@ def measure(
 
     from jaxserve import SamplingParams
 
-    engines = {c: _engine(model, *map(int, c.split("x"))) for c in configs}
+    engines = {c: _engine(model, c) for c in configs}
     vocab = min(40000, engines[configs[0]].llm_engine.runner.args.vocab_size)
     rng = random.Random(0)
     prompts = [
@@ -77,6 +133,7 @@ def measure(
             total, n = _timed(llm, prompts, many)
             decode[c].append((n - batch) / max(total - seconds, 1e-9))
     base = configs[0]
+    engines.clear()  # (their memory, before the timelines' engines)
     rows = {}
     for c in configs:
         p, d = statistics.median(prefill[c]), statistics.median(decode[c])
@@ -87,6 +144,8 @@ def measure(
             "decode_ratio": d / statistics.median(decode[base]),
             "same_tokens_as_" + base: tokens[c] == tokens[base],
         }
+        if not c.startswith("1x"):
+            rows[c]["prefill_timeline"] = timeline(model, c, prompts, one)
     return rows
 
 
@@ -96,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", default=None, help="Default: the default model.")
     parser.add_argument(
-        "--configs", nargs="+", default=["1x1", "2x1", "1x3"], help="PPxTP; the first is the base."
+        "--configs", nargs="+", default=["1x1", "2x1m0", "2x1"], help="PPxTP[mTOKENS]; the first is the base."
     )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -110,7 +169,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     rows = measure(ns.model, ns.configs, ns.batch, ns.prompt_len, ns.max_tokens, ns.rounds)
     for c, r in rows.items():
-        print(json.dumps({"config": c, **r}))
+        print(json.dumps({"config": c, **{k: v for k, v in r.items() if k != "prefill_timeline"}}))
+        if "prefill_timeline" in r:
+            t = r["prefill_timeline"]
+            print(
+                f"  prefill step: {t['microbatches']} microbatch(es), span {t['span_ms']:.1f} ms, "
+                f"2+ stages working {t['overlap_ms']:.1f} ms ({100 * t['overlap_fraction']:.0f}%)"
+            )
+            for stage, spans in enumerate(t["stages_ms"]):
+                print(f"  stage {stage}: " + "  ".join(f"[{a:.1f}, {b:.1f}]" for a, b in spans))
     if ns.output_json:
         with open(ns.output_json, "w") as fh:
             report = {
