@@ -84,7 +84,8 @@ TP_SCRIPT = textwrap.dedent(
     from tiny_models import engine_kwargs
     from jaxserve import LLM, SamplingParams
 
-    llm = LLM(sys.argv[1], preemption_mode="swap", tensor_parallel_size=2,
+    tp, pp = map(int, sys.argv[3:5])
+    llm = LLM(sys.argv[1], preemption_mode="swap", tensor_parallel_size=tp, pipeline_parallel_size=pp,
               **engine_kwargs(num_gpu_blocks_override=21, enable_prefix_caching=False))
     llm.llm_engine.scheduler.swap.min_tokens = 16
     outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
@@ -95,9 +96,10 @@ TP_SCRIPT = textwrap.dedent(
 )
 
 
-def test_swap_at_tensor_parallel_two(tiny_llama_gqa, unpreempted):
-    """The pool split over two devices by KV heads: each copy moves each device's heads."""
-    out = json.loads(
-        run_on_fake_devices(TP_SCRIPT, tiny_llama_gqa[0], json.dumps(PROMPTS), devices=2).splitlines()[-1]
-    )
+@pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])
+def test_swap_at_tensor_and_pipeline_parallel(tiny_llama_gqa, unpreempted, tp, pp):
+    """The pool split over two devices by KV heads (each copy moves each device's heads), and
+    also over two stages by layers (each stage's devices hold their layers' pages)."""
+    args = (tiny_llama_gqa[0], json.dumps(PROMPTS), str(tp), str(pp))
+    out = json.loads(run_on_fake_devices(TP_SCRIPT, *args, devices=tp * pp).splitlines()[-1])
     assert out["swap_outs"] > 0 and out["tokens"] == unpreempted[0]
