@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("jaxserve.models",),
     ("jaxserve.layers", "jaxserve.sharding"),
     ("pallas_kernels",),
-    ("jaxserve.config", "jaxserve.sampling_params", "jaxserve.scheduler_output", "jaxserve.outputs",
+    ("jaxserve.config", "jaxserve.chips", "jaxserve.sampling_params", "jaxserve.scheduler_output", "jaxserve.outputs",
      "jaxserve.beam_search", "jaxserve.reasoning", "jaxserve.spec_decode", "jaxserve.pooling_params",
      "jaxserve.prompt_embeds", "jaxserve.multimodal"),
 )  # fmt: skip

@@ -257,7 +257,7 @@ def test_microbatches_default_to_the_chips_ridge_point():
     """The rows a chip computes while it reads a bf16 weight matrix once (peak bf16 flops / HBM
     bytes per second): v5e 197e12 / 819e9, v6e 918e12 / 1640e9, v5p 459e12 / 2765e9; a device
     the table does not know (a CPU) has none, and the engine takes 256."""
-    from jaxserve.aot.chips import ridge_tokens
+    from jaxserve.chips import ridge_tokens
 
     assert [ridge_tokens(kind) for kind in ("TPU v5 lite", "TPU v6 lite", "TPU v5", "cpu")] == [
         241,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.aot.chips import CHIPS
 from jaxserve.aot.compile_check import Report
 from jaxserve.aot.roofline import Workload, project, step_cost
+from jaxserve.chips import CHIPS
 
 GB = 1e9
 

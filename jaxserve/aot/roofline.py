@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxserve.aot.chips import Chip
 from jaxserve.aot.compile_check import Report
+from jaxserve.chips import Chip
 from jaxserve.layers.pipeline import num_microbatches
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.aot.chips import ridge_tokens
+from jaxserve.chips import ridge_tokens
 from jaxserve.config import EngineConfig
 from jaxserve.layers import pipeline
 from jaxserve.layers.attention import pool_head_dim
