@@ -1,5 +1,5 @@
 """The server as users start it: a separate process from vLLM's module path, healthy after
-start-up, and on SIGTERM it lets a running stream finish and exits 0. With -dp 2 -tp 2 on 4
+start-up, and on SIGTERM it lets a running stream finish and exits 0. With -dp 2 -tp 2 -pp 2 on 8
 (fake CPU) devices it answers concurrent requests as a single engine would."""
 
 from __future__ import annotations
@@ -191,12 +191,11 @@ async def _sleep_and_wake(url: str, level: int) -> None:
                 assert r.status == 200, await r.text()
 
 
-async def test_two_replicas_of_two_devices_answer_like_one_engine(tiny_llama_gqa, tmp_path):
+async def test_two_replicas_of_two_stages_of_two_devices_answer_like_one_engine(tiny_llama_gqa, tmp_path):
     prompts = [[5 + i, 17, 300, 42 + i, 9] * (1 + i % 3) for i in range(8)]
     single = _offline_texts(tiny_llama_gqa[0], prompts)
-    proc, url, log = _start(
-        tiny_llama_gqa[0], tmp_path / "dp.log", "-dp", "2", "-tp", "2", "--enable-sleep-mode", devices=4
-    )
+    flags = ("-dp", "2", "-tp", "2", "-pp", "2", "--enable-sleep-mode")
+    proc, url, log = _start(tiny_llama_gqa[0], tmp_path / "dp.log", *flags, devices=8)
     try:
         await _wait_healthy(proc, url, log)
         assert await _served_texts(url, prompts) == single
@@ -204,7 +203,7 @@ async def test_two_replicas_of_two_devices_answer_like_one_engine(tiny_llama_gqa
         assert await _served_texts(url, prompts) == single
         log.seek(0)
         started = log.read()
-        assert "Data-parallel rank 1 of 2 on devices [2, 3]" in started, started[-2000:]
+        assert "Data-parallel rank 1 of 2 on devices [4, 5, 6, 7]" in started, started[-2000:]
     finally:
         _stop(proc, log)
 
