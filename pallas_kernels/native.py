@@ -38,6 +38,7 @@ HANDLERS = {
     "jaxserve_q4_matmul": "JaxserveQ4Matmul",
     "jaxserve_q8_head": "JaxserveQ8Head",
     "jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention",
+    "jaxserve_write_rows": "JaxserveWriteRows",
 }
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
 

@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec
 from jaxserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 from jaxserve.sharding import logical_to_spec
 from pallas_kernels.ragged_paged_attention import cpu
-from pallas_kernels.ragged_paged_attention.reference import write_kv
 
 _KERNEL_PLATFORMS = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}
 
@@ -139,7 +138,7 @@ def paged_attention(
         q, k, v = pad(q), pad(k), pad(v)
     scales = {"k_scale": k_scale, "v_scale": v_scale}
     slots = meta.slot_mapping + page_offset * page_size
-    kv_pool = per_device_heads(write_kv, (kv_pool, k, v), (slots,), scales)
+    kv_pool = per_device_heads(cpu.write_kv, (kv_pool, k, v), (slots,), scales)
     kernel = functools.partial(_kernel(meta.backend), sm_scale=sm_scale, soft_cap=soft_cap)
     metadata = (meta.kv_lens, meta.page_indices + page_offset, meta.cu_q_lens, meta.num_seqs)
     out = per_device_heads(kernel, (q, kv_pool), metadata, {"sliding_window": sliding_window, **scales})

@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -215,3 +216,38 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, jaxserve::RaggedPage
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // out
+
+// Rows of new keys and values into the pool, in place (the output aliases the pool): values row i
+// goes to pool row rows[i], rows past the pool dropped; bytes are copied as they are, any dtype.
+// XLA:CPU has no fp8 scatter: it converts the whole pool to float32 and back around one (or copies
+// it twice around a scatter of its bytes), per layer and step; here only the written rows move.
+namespace jaxserve {
+namespace {
+
+ffi::Error WriteRows(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer values,
+                     ffi::Result<ffi::AnyBuffer> out) {
+  const auto pd = pool.dimensions();
+  const auto vd = values.dimensions();
+  if (pd.size() < 2 || vd.size() != 2 || pd.back() != vd[1] || pool.element_type() != values.element_type() ||
+      rows.element_count() != static_cast<size_t>(vd[0]))
+    return ffi::Error::InvalidArgument("write_rows: pool [..., d], values [n, d] of its dtype, n row indices");
+  auto* dst = static_cast<uint8_t*>(out->untyped_data());
+  if (dst != pool.untyped_data()) std::memcpy(dst, pool.untyped_data(), pool.size_bytes());  // not aliased
+  const size_t width = values.size_bytes() / static_cast<size_t>(vd[0]);
+  const int64_t count = static_cast<int64_t>(pool.size_bytes() / width);  // the pool's rows of d
+  const auto* src = static_cast<const uint8_t*>(values.untyped_data());
+  const int32_t* at = rows.typed_data();
+  for (int64_t i = 0; i < vd[0]; ++i)
+    if (at[i] >= 0 && at[i] < count) std::memcpy(dst + at[i] * width, src + i * width, width);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxserve
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteRows, jaxserve::WriteRows,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()              // pool [..., d]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // rows [n]
+                                  .Arg<xla::ffi::AnyBuffer>()              // values [n, d]
+                                  .Ret<xla::ffi::AnyBuffer>());            // the pool, written

@@ -61,3 +61,23 @@ def ragged_paged_attention(
         sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
     )  # fmt: skip
     return out if v_scale is None else out * out_scale
+
+
+def write_kv(
+    kv_pages: jax.Array,  # [num_pages, 2 * num_kv_heads, page_size, head_dim]
+    k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+    v: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping: jax.Array,  # [num_tokens] int32: page * page_size + offset; >= num_slots drops
+    k_scale: float | jax.Array | None = None,
+    v_scale: float | jax.Array | None = None,
+) -> jax.Array:  # [num_pages, 2 * num_kv_heads, page_size, head_dim]
+    """reference.write_kv; fp8 pages on a CPU written in place by the native kernel instead, since
+    XLA:CPU copies the whole pool around an fp8 write (twice per layer and step: a 0.7 GiB pool
+    made a decode step of the default model take seconds)."""
+    fp8 = jnp.issubdtype(kv_pages.dtype, jnp.floating) and reference.is_quantized(kv_pages.dtype)
+    if not (fp8 and native.usable_in_trace()):
+        return reference.write_kv(kv_pages, k, v, slot_mapping, k_scale, v_scale)
+    rows, kv = reference.kv_rows(kv_pages, k, v, slot_mapping, k_scale, v_scale)
+    out = jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype)
+    call = jax.ffi.ffi_call("jaxserve_write_rows", out, input_output_aliases={0: 0})
+    return call(kv_pages, rows.astype(jnp.int32), kv)

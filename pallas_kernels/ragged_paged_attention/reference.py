@@ -98,6 +98,27 @@ def fold_scales(q: jax.Array, k_scale, v_scale):
     return q, 1.0 if v_scale is None else v_scale
 
 
+def kv_rows(
+    kv_pages: jax.Array,  # [num_pages, 2 * num_kv_heads, page_size, head_dim]
+    k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+    v: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping: jax.Array,  # [num_tokens] int32: page * page_size + offset; >= num_slots drops
+    k_scale: float | jax.Array | None = None,  # quantized pages: k is stored as k / k_scale
+    v_scale: float | jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:  # ([num_tokens * 2 * num_kv_heads], [that many, head_dim])
+    """What write_kv writes: the rows of the pool seen as [num_pages * 2 * num_kv_heads *
+    page_size, head_dim] (a padding token's past the pool) and their values in its dtype."""
+    num_pages, combined, page_size, head_dim = kv_pages.shape
+    if is_quantized(kv_pages.dtype):
+        k = quantize(k, 1.0 if k_scale is None else k_scale, kv_pages.dtype)
+        v = quantize(v, 1.0 if v_scale is None else v_scale, kv_pages.dtype)
+    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0] * combined, head_dim).astype(kv_pages.dtype)
+    page, offset = slot_mapping // page_size, slot_mapping % page_size
+    rows = (page[:, None] * combined + jnp.arange(combined)[None, :]) * page_size + offset[:, None]
+    rows = jnp.where(page[:, None] < num_pages, rows, num_pages * combined * page_size)  # padding: dropped
+    return rows.reshape(-1), kv
+
+
 def write_kv(
     kv_pages: jax.Array,  # [num_pages, 2 * num_kv_heads, page_size, head_dim]
     k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
@@ -106,20 +127,13 @@ def write_kv(
     k_scale: float | jax.Array | None = None,  # quantized pages: k is stored as k / k_scale
     v_scale: float | jax.Array | None = None,
 ) -> jax.Array:  # [num_pages, 2 * num_kv_heads, page_size, head_dim]
-    num_pages, combined, page_size, head_dim = kv_pages.shape
-    if is_quantized(kv_pages.dtype):
-        k = quantize(k, 1.0 if k_scale is None else k_scale, kv_pages.dtype)
-        v = quantize(v, 1.0 if v_scale is None else v_scale, kv_pages.dtype)
-    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], combined, head_dim).astype(kv_pages.dtype)
-    page, offset = slot_mapping // page_size, slot_mapping % page_size
-    rows = (page[:, None] * combined + jnp.arange(combined)[None, :]) * page_size + offset[:, None]
-    rows = jnp.where(page[:, None] < num_pages, rows, num_pages * combined * page_size)  # padding: dropped
-    flat = kv_pages.reshape(num_pages * combined * page_size, head_dim)
+    rows, kv = kv_rows(kv_pages, k, v, slot_mapping, k_scale, v_scale)
+    flat = kv_pages.reshape(-1, kv_pages.shape[-1])
     fp8 = jnp.issubdtype(kv_pages.dtype, jnp.floating) and is_quantized(kv_pages.dtype)
     if fp8 and traced_platform() == "cpu":
         # fp8 rows move as their bytes: XLA:CPU, with no fp8 scatter, would otherwise convert the
-        # whole pool to float32 and back at every write (50 ms a step on a 256 MiB pool, against
-        # 7 ms for the two bitcasts here; an int8 pool's write takes 0.01 ms).
+        # whole pool to float32 and back at every write; this still copies the pool twice (the
+        # native write in cpu.py copies none; an int8 pool's write takes 0.01 ms).
         bits = jax.lax.bitcast_convert_type(flat, jnp.uint8)
         bits = bits.at[rows].set(jax.lax.bitcast_convert_type(kv, jnp.uint8), mode="drop")
         return jax.lax.bitcast_convert_type(bits, kv_pages.dtype).reshape(kv_pages.shape)

@@ -13,7 +13,7 @@ import pytest
 from attention_kernels.attention_cases import F32_TOL, MIXES, PADDED_LAYOUT, build_case
 
 from pallas_kernels import native
-from pallas_kernels.ragged_paged_attention import cpu
+from pallas_kernels.ragged_paged_attention import cpu, reference
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -117,3 +117,24 @@ def test_what_runs_the_reference():
     assert cpu.kernel_applies(half.q.astype(jnp.float32), half.kv.astype(jnp.float32))
     out = jax.jit(functools.partial(cpu.ragged_paged_attention, sm_scale=many.sm_scale))(*many.args)
     np.testing.assert_allclose(np.asarray(out), many.expected(), **F32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_fp8_pages_are_written_in_place_as_the_reference_writes_them(dtype):
+    """The native write (fp8 pages: XLA:CPU would copy the pool around its own) stores exactly the
+    reference's bytes, drops padding tokens' rows, and writes into the pool's own buffer when the
+    pool is donated, as a layer scan carries it."""
+    rng = np.random.default_rng(7)
+    pages, heads, page_size, head_dim = 9, 2, 8, 64
+    pool = jnp.asarray(rng.standard_normal((pages, 2 * heads, page_size, head_dim)) * 0.1, dtype)
+    k, v = (jnp.asarray(rng.standard_normal((6, heads, head_dim)), jnp.float32) for _ in "kv")
+    slots = jnp.asarray([3, 17, 18, 40, 71, pages * page_size], jnp.int32)  # the last: padding
+    want = np.asarray(reference.write_kv(pool, k, v, slots, 0.05, 0.07)).view(np.uint8)
+    write = jax.jit(cpu.write_kv, donate_argnums=0)
+    assert "jaxserve_write_rows" in write.lower(pool, k, v, slots, 0.05, 0.07).as_text()
+    before = np.asarray(pool).view(np.uint8).copy()
+    where = pool.unsafe_buffer_pointer()
+    got = write(pool, k, v, slots, 0.05, 0.07)
+    assert np.array_equal(np.asarray(got).view(np.uint8), want)
+    assert not np.array_equal(want, before)  # rows were written
+    assert got.unsafe_buffer_pointer() == where  # in place
