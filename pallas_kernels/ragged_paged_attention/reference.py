@@ -119,14 +119,8 @@ def kv_rows(
     return rows.reshape(-1), kv
 
 
-def write_kv(
-    kv_pages: jax.Array,  # [num_pages, 2 * num_kv_heads, page_size, head_dim]
-    k: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
-    v: jax.Array,  # [num_tokens, num_kv_heads, head_dim]
-    slot_mapping: jax.Array,  # [num_tokens] int32: page * page_size + offset; >= num_slots drops
-    k_scale: float | jax.Array | None = None,  # quantized pages: k is stored as k / k_scale
-    v_scale: float | jax.Array | None = None,
-) -> jax.Array:  # [num_pages, 2 * num_kv_heads, page_size, head_dim]
+def write_kv(kv_pages, k, v, slot_mapping, k_scale=None, v_scale=None) -> jax.Array:
+    """The pool with the step's keys and values written where kv_rows (same arguments) says."""
     rows, kv = kv_rows(kv_pages, k, v, slot_mapping, k_scale, v_scale)
     flat = kv_pages.reshape(-1, kv_pages.shape[-1])
     fp8 = jnp.issubdtype(kv_pages.dtype, jnp.floating) and is_quantized(kv_pages.dtype)
