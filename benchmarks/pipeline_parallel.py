@@ -18,7 +18,7 @@ its suffix: "2x1m0" never cuts a step (one batch in the pipeline), "2x1m128" cut
 microbatches of at least 128 tokens; no suffix, the default (256).
 
     python benchmarks/pipeline_parallel.py [--configs 1x1 2x1m0 2x1] [--batch 8] [--prompt-len 128]
-        [--max-tokens 64] [--rounds 2] [--output-json FILE]
+        [--max-tokens 64] [--rounds 2] [--max-num-batched-tokens N] [--output-json FILE]
 
 A configuration is PPxTP[mTOKENS]. The device count is fixed when JAX starts: this script sets
 it (8).
@@ -41,7 +41,7 @@ os.environ["XLA_FLAGS"] = " ".join(
 ).strip()
 
 
-def _engine(model: str | None, config: str):
+def _engine(model: str | None, config: str, budget: int | None):
     from jaxserve import LLM
 
     sizes, _, microbatch = config.partition("m")
@@ -54,6 +54,7 @@ def _engine(model: str | None, config: str):
         tensor_parallel_size=tp,
         max_num_seqs=16,
         compilation_config=compilation,
+        **({} if budget is None else {"max_num_batched_tokens": budget}),
     )
 
 
@@ -82,12 +83,12 @@ def busy_together(events: Sequence[tuple]) -> dict:
     return {"stages_ms": stages, "span_ms": span, "overlap_ms": overlap, "overlap_fraction": overlap / span}
 
 
-def timeline(model: str | None, config: str, prompts, params) -> dict:
+def timeline(model: str | None, config: str, budget: int | None, prompts, params) -> dict:
     """The stamps of the prefill step of `prompts` (one step) on a fresh engine of `config`."""
     from jaxserve.layers import pipeline
 
     with pipeline.record_timeline() as recorded:
-        llm = _engine(model, config)
+        llm = _engine(model, config, budget)
         llm.generate(prompts, params, use_tqdm=False)  # compiles on the way: stamps only when run
         recorded.events.clear()
         llm.reset_prefix_cache()
@@ -103,7 +104,13 @@ def _timed(llm, prompts, params) -> tuple[float, int]:
 
 
 def measure(
-    model: str | None, configs: Sequence[str], batch: int, prompt_len: int, max_tokens: int, rounds: int
+    model: str | None,
+    configs: Sequence[str],
+    batch: int,
+    prompt_len: int,
+    max_tokens: int,
+    rounds: int,
+    budget: int | None = None,  # the engines' max_num_batched_tokens (None: the default)
 ) -> dict:
     """Per configuration: prefill tokens/s (one output token) and decode tokens/s (the rest of
     max_tokens, the prefill's time taken off), medians over rounds that alternate configurations."""
@@ -111,7 +118,7 @@ def measure(
 
     from jaxserve import SamplingParams
 
-    engines = {c: _engine(model, c) for c in configs}
+    engines = {c: _engine(model, c, budget) for c in configs}
     vocab = min(40000, engines[configs[0]].llm_engine.runner.args.vocab_size)
     rng = random.Random(0)
     prompts = [
@@ -145,7 +152,7 @@ def measure(
             "same_tokens_as_" + base: tokens[c] == tokens[base],
         }
         if not c.startswith("1x"):
-            rows[c]["prefill_timeline"] = timeline(model, c, prompts, one)
+            rows[c]["prefill_timeline"] = timeline(model, c, budget, prompts, one)
     return rows
 
 
@@ -161,13 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="The engines' (fewer buckets to compile)."
+    )
     parser.add_argument("--output-json", default=None)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    rows = measure(ns.model, ns.configs, ns.batch, ns.prompt_len, ns.max_tokens, ns.rounds)
+    rows = measure(
+        ns.model, ns.configs, ns.batch, ns.prompt_len, ns.max_tokens, ns.rounds, ns.max_num_batched_tokens
+    )
     for c, r in rows.items():
         print(json.dumps({"config": c, **{k: v for k, v in r.items() if k != "prefill_timeline"}}))
         if "prefill_timeline" in r:

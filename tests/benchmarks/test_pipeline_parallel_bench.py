@@ -20,7 +20,16 @@ def test_stages_and_tensor_parallel_give_the_base_tokens(tmp_path):
     )
     out = tmp_path / "pp.json"
     argv = ["--model", model, "--configs", "1x1", "2x1", "2x2m8", "--batch", "2", "--prompt-len", "16"]
-    argv += ["--max-tokens", "6", "--rounds", "1", "--output-json", str(out)]
+    argv += [
+        "--max-tokens",
+        "6",
+        "--rounds",
+        "1",
+        "--max-num-batched-tokens",
+        "64",
+        "--output-json",
+        str(out),
+    ]
     env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
         [sys.executable, os.path.join(BENCHMARKS, "pipeline_parallel.py"), *argv],
