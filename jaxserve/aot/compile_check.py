@@ -68,7 +68,7 @@ class Report:
     target: str
     tensor_parallel_size: int
     pipeline_parallel_size: int = 1
-    pipeline_microbatch_tokens: int = 0  # under a pipeline, the fewest tokens a microbatch keeps
+    pipeline_microbatch_tokens: int = 0  # under a pipeline, the ridge rows microbatches are chosen by
     dtype: str = ""
     quantization: str | None = None
     kv_cache_dtype: str = ""
